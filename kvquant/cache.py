@@ -1,0 +1,150 @@
+"""``KVQuantCache``: the drop-in quantized cache for Hugging Face decoder models.
+
+Example:
+    >>> from kvquant import KVQuantCache
+    >>> from kvquant.models import load_model
+    >>> model, tok = load_model()                              # embedded SmolLM2-135M-Instruct
+    >>> cache = KVQuantCache(model.config, "int4")             # preset, KVQuantConfig or YAML path
+    >>> ids = tok("The KV cache", return_tensors="pt")
+    >>> out = model.generate(**ids, cache=cache, max_new_tokens=16)
+    >>> cache.effective_bits()                                 # ~4.5 bits per element
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+
+from kvquant.config import KVQuantConfig
+from kvquant.layer import QuantizedKVLayer
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
+
+
+def load_static_scales(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a calibration file (``kvquant calibrate``): ``{"keys": [L, H], "values": [L, H]}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"static_scales: no such calibration file {str(path)!r}")
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict) or "keys" not in data or "values" not in data:
+        raise ValueError(f"static_scales: {str(path)!r} is not a kvquant calibration file (needs 'keys', 'values')")
+    return data
+
+
+class KVQuantCache(Cache):
+    """A ``transformers.Cache`` whose layers store keys / values quantized.
+
+    Args:
+        config: the model's config (or the model itself). Layer types (full, sliding, chunked,
+            shared) are derived from it exactly as ``DynamicCache(config=...)`` does.
+        quant: a preset name (``"int4"``, ``"int8"``, ...), a :class:`KVQuantConfig`, a dict, or a
+            YAML path. Defaults to ``"int4"``.
+        initial_capacity: tokens each layer's store is first allocated for (grows by doubling).
+
+    Works with ``model.generate(..., cache=cache)`` (greedy, sampling, beam search, assisted
+    decoding, batches with left padding) and with manual forward loops.
+    """
+
+    def __init__(self, config: Any, quant: KVQuantConfig | str | Path | dict | None = None, *,
+                 initial_capacity: int = 256):
+        model_config = getattr(config, "config", config)  # accept the model too
+        if not hasattr(model_config, "get_text_config"):
+            raise ValueError(f"config: expected a transformers model config or model, got {type(config).__name__}")
+        self.quant_config = KVQuantConfig.resolve(quant)
+        decoder_config = model_config.get_text_config(decoder=True)
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
+        num_layers = len(layer_types)
+        scales = None
+        if self.quant_config.static_scales is not None:
+            scales = load_static_scales(self.quant_config.static_scales)
+            if scales["keys"].shape[0] != num_layers:
+                raise ValueError(
+                    f"static_scales: file has {scales['keys'].shape[0]} layers, the model has {num_layers}"
+                )
+        layers = []
+        for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs)):
+            if layer_type not in SUPPORTED_LAYER_TYPES:
+                raise ValueError(
+                    f"layer_types: layer {i} is {layer_type!r}; KVQuantCache supports {', '.join(SUPPORTED_LAYER_TYPES)}"
+                )
+            if layer_type == "dummy":
+                layers.append(DummyLayer())
+                continue
+            static = None if scales is None else (scales["keys"][i], scales["values"][i])
+            layers.append(
+                QuantizedKVLayer(
+                    self.quant_config.for_layer(i, num_layers),
+                    sliding_window=kwargs.get("sliding_window"),
+                    static_scales=static,
+                    initial_capacity=initial_capacity,
+                )
+            )
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        return f"KVQuantCache(preset={self.quant_config.name!r}, layers={len(self.layers)})"
+
+    def _kv_layers(self) -> list[QuantizedKVLayer]:
+        return [layer for layer in self.layers if isinstance(layer, QuantizedKVLayer)]
+
+    # ------------------------------------------------------------------------------------ memory
+
+    def nbytes(self) -> int:
+        """Bytes of the valid tokens held: codes, scales, zero points, full-precision tail and sinks."""
+        return sum(sum(layer.nbytes().values()) for layer in self._kv_layers())
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated (capacity), which grows geometrically ahead of ``nbytes``."""
+        return sum(layer.reserved_bytes() for layer in self._kv_layers())
+
+    def fp16_bytes(self) -> int:
+        """Bytes an fp16 cache would hold for the same positions."""
+        return sum(layer.fp16_bytes() for layer in self._kv_layers())
+
+    def effective_bits(self) -> float:
+        """``16 * nbytes / fp16_bytes``: bits per cached element, everything included."""
+        ref = self.fp16_bytes()
+        return 16.0 * self.nbytes() / ref if ref else float("nan")
+
+    def memory_report(self) -> list[dict[str, Any]]:
+        """One row per layer: formats, held tokens, bytes by part, reserved bytes, effective bits."""
+        rows = []
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, QuantizedKVLayer):
+                continue
+            parts = layer.nbytes()
+            held, ref = sum(parts.values()), layer.fp16_bytes()
+            rows.append(
+                {
+                    "layer": i,
+                    "key_format": layer.config.key_format,
+                    "value_format": layer.config.value_format,
+                    "sliding_window": layer.sliding_window,
+                    "tokens": layer.held_tokens(),
+                    **{f"{k}_bytes": v for k, v in parts.items()},
+                    "nbytes": held,
+                    "reserved_bytes": layer.reserved_bytes(),
+                    "effective_bits": 16.0 * held / ref if ref else float("nan"),
+                }
+            )
+        return rows
+
+    def format_memory_report(self) -> str:
+        """The per-layer memory report as a markdown table."""
+        rows = self.memory_report()
+        head = "| layer | K | V | tokens | store B | fp tail B | sink B | nbytes | reserved | bits |"
+        lines = [head, "|" + "---|" * 10]
+        for r in rows:
+            lines.append(
+                f"| {r['layer']} | {r['key_format']} | {r['value_format']} | {r['tokens']} | {r['store_bytes']} "
+                f"| {r['tail_bytes']} | {r['sink_bytes']} | {r['nbytes']} | {r['reserved_bytes']} "
+                f"| {r['effective_bits']:.2f} |"
+            )
+        lines.append(
+            f"| total | | | | | | | {self.nbytes()} | {self.reserved_bytes()} | {self.effective_bits():.2f} |"
+        )
+        return "\n".join(lines)

@@ -1,0 +1,214 @@
+"""``KVQuantConfig``: what a cache stores, validated once, loadable from presets and YAML.
+
+A config is a frozen dataclass. Keys and values pick their formats separately (``k8v4`` is a real
+configuration). ``layer_overrides`` maps a layer index (negative counts from the end) to a dict of
+fields that differ for that layer, e.g. ``{0: {"key_format": "int8"}, -1: {...}}``.
+
+Example:
+    >>> cfg = KVQuantConfig(key_format="int4", value_format="int4", residual_length=32)
+    >>> cfg.for_layer(0, num_layers=30).key_format
+    'int4'
+    >>> KVQuantConfig.resolve("int8").key_format          # a preset name
+    'int8'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from kvquant.formats import AXES, FORMAT_NAMES, SCALE_DTYPES, format_spec
+
+ROTATIONS = ("none", "hadamard")
+# fields a layer override may change (everything but the overrides themselves and the name)
+_OVERRIDABLE = (
+    "key_format",
+    "value_format",
+    "key_axis",
+    "key_group_size",
+    "value_group_size",
+    "rotation",
+    "sink_tokens",
+    "residual_length",
+    "scale_dtype",
+)
+
+
+def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{field_name}: invalid value {value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    """How a :class:`~kvquant.KVQuantCache` stores keys and values.
+
+    Attributes:
+        key_format / value_format: one of ``none, int8, int4, int2, fp8_e4m3, fp8_e5m2``.
+        key_axis: ``token`` (scales per token and channel group) or ``channel`` (KIVI: scales per
+            channel over blocks of ``key_group_size`` tokens; the incomplete block stays in full
+            precision until it fills).
+        key_group_size / value_group_size: channels per scale (token axis; ``None`` = whole head,
+            clipped to head_dim for narrower heads) or tokens per block (channel axis).
+        rotation: ``none`` or ``hadamard`` (per-head Walsh-Hadamard before quantization).
+        sink_tokens: first tokens of each sequence kept in full precision.
+        residual_length: most recent tokens kept in full precision before they are quantized.
+        scale_dtype: ``float16``, ``bfloat16`` or ``float32``.
+        static_scales: path of a calibration file (``kvquant calibrate``) with per-(layer, head)
+            scales; int8 / fp8 only. Codes then carry no per-token scales.
+        layer_overrides: ``{layer_index: {field: value}}``.
+        name: a label (the preset name, when loaded from one).
+    """
+
+    key_format: str = "int8"
+    value_format: str = "int8"
+    key_axis: str = "token"
+    key_group_size: int | None = None
+    value_group_size: int | None = None
+    rotation: str = "none"
+    sink_tokens: int = 0
+    residual_length: int = 0
+    scale_dtype: str = "float16"
+    static_scales: str | None = None
+    layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for f in ("key_format", "value_format"):
+            v = getattr(self, f)
+            if v not in FORMAT_NAMES:
+                raise _bad(f, v, ", ".join(FORMAT_NAMES))
+        if self.key_axis not in AXES:
+            raise _bad("key_axis", self.key_axis, ", ".join(AXES))
+        for f in ("key_group_size", "value_group_size"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise _bad(f, v, "a positive integer or null (whole head)")
+        if self.key_axis == "channel" and self.key_group_size is None:
+            raise _bad("key_group_size", None, "a positive integer (tokens per block) when key_axis is 'channel'")
+        if self.rotation not in ROTATIONS:
+            raise _bad("rotation", self.rotation, ", ".join(ROTATIONS))
+        for f in ("sink_tokens", "residual_length"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise _bad(f, v, "an integer >= 0")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise _bad("scale_dtype", self.scale_dtype, ", ".join(SCALE_DTYPES))
+        if self.static_scales is not None:
+            for f in ("key_format", "value_format"):
+                kind = format_spec(getattr(self, f)).kind
+                if kind == "int_asym":
+                    raise _bad(f, getattr(self, f), "int8, fp8_e4m3, fp8_e5m2 or none when static_scales is set")
+            if self.key_axis != "token":
+                raise _bad("key_axis", self.key_axis, "'token' when static_scales is set")
+        if not isinstance(self.layer_overrides, dict):
+            raise _bad("layer_overrides", self.layer_overrides, "a mapping {layer_index: {field: value}}")
+        for idx, over in self.layer_overrides.items():
+            if not isinstance(idx, int) or isinstance(idx, bool):
+                raise _bad("layer_overrides", idx, "integer layer indices (negative counts from the end)")
+            if not isinstance(over, dict):
+                raise _bad(f"layer_overrides[{idx}]", over, "a mapping {field: value}")
+            unknown = set(over) - set(_OVERRIDABLE)
+            if unknown:
+                raise _bad(f"layer_overrides[{idx}]", sorted(unknown)[0], ", ".join(_OVERRIDABLE))
+            dataclasses.replace(self, layer_overrides={}, **over)  # validates the overridden values
+
+    # ------------------------------------------------------------------------------------ derived
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return SCALE_DTYPES[self.scale_dtype]
+
+    @property
+    def is_passthrough(self) -> bool:
+        return self.key_format == "none" and self.value_format == "none"
+
+    def for_layer(self, layer_idx: int, num_layers: int) -> KVQuantConfig:
+        """The config of one layer: this one with its override (if any) applied, without overrides."""
+        over: dict[str, Any] = {}
+        for idx, fields in self.layer_overrides.items():
+            if idx % num_layers == layer_idx and -num_layers <= idx < num_layers:
+                over.update(fields)
+        return dataclasses.replace(self, layer_overrides={}, **over)
+
+    def group_sizes(self, head_dim: int) -> tuple[int, int]:
+        """(key, value) group sizes for a head of ``head_dim`` channels (None -> head_dim)."""
+        kg = self.key_group_size if self.key_group_size is not None else head_dim
+        vg = self.value_group_size if self.value_group_size is not None else head_dim
+        if self.key_axis == "token":
+            kg = min(kg, head_dim)
+        return kg, min(vg, head_dim)
+
+    # ------------------------------------------------------------------------------------ I/O
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVQuantConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"config: expected a mapping of fields, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise _bad("config", sorted(unknown)[0], ", ".join(sorted(known)))
+        data = dict(data)
+        if "layer_overrides" in data and data["layer_overrides"] is None:
+            data["layer_overrides"] = {}
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> KVQuantConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config: no such preset or YAML file {str(path)!r}; presets: {', '.join(preset_names())}")
+        data = yaml.safe_load(path.read_text()) or {}
+        data.setdefault("name", path.stem)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_preset(cls, name: str) -> KVQuantConfig:
+        path = _presets_dir() / f"{name}.yaml"
+        if not path.is_file():
+            raise ValueError(f"preset: unknown preset {name!r}; allowed: {', '.join(preset_names())}")
+        data = yaml.safe_load(path.read_text()) or {}
+        data["name"] = name
+        return cls.from_dict(data)
+
+    @classmethod
+    def resolve(cls, spec: KVQuantConfig | str | Path | dict[str, Any] | None) -> KVQuantConfig:
+        """A config from a config, a preset name (tried first), a YAML path, or a dict."""
+        if spec is None:
+            return cls.from_preset("int4")
+        if isinstance(spec, KVQuantConfig):
+            return spec
+        if isinstance(spec, dict):
+            return cls.from_dict(spec)
+        if isinstance(spec, str) and spec in preset_names():
+            return cls.from_preset(spec)
+        if isinstance(spec, (str, Path)):
+            return cls.from_yaml(spec)
+        raise ValueError(f"config: expected a preset name, YAML path, dict or KVQuantConfig, got {type(spec).__name__}")
+
+
+def _presets_dir():
+    return importlib.resources.files("kvquant.configs") / "presets"
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped in ``configs/presets``."""
+    d = _presets_dir()
+    if not d.is_dir():
+        return []
+    return sorted(p.name[: -len(".yaml")] for p in d.iterdir() if p.name.endswith(".yaml"))
