@@ -44,18 +44,24 @@ class KVQuantCache(Cache):
         quant: a preset name (``"int4"``, ``"int8"``, ...), a :class:`KVQuantConfig`, a dict, or a
             YAML path. Defaults to ``"int4"``.
         initial_capacity: tokens each layer's store is first allocated for (grows by doubling).
+        fused: hand the attention a view of the store (True) or dequantized tensors (False);
+            ``None`` (default) decides per call: views exactly when the model's attention
+            implementation is ``"kvquant"`` (the config object is the model's, so switching the
+            model with :func:`kvquant.enable` is seen).
 
     Works with ``model.generate(..., cache=cache)`` (greedy, sampling, beam search, assisted
     decoding, batches with left padding) and with manual forward loops.
     """
 
     def __init__(self, config: Any, quant: KVQuantConfig | str | Path | dict | None = None, *,
-                 initial_capacity: int = 256):
+                 initial_capacity: int = 256, fused: bool | None = None):
         model_config = getattr(config, "config", config)  # accept the model too
         if not hasattr(model_config, "get_text_config"):
             raise ValueError(f"config: expected a transformers model config or model, got {type(config).__name__}")
         self.quant_config = KVQuantConfig.resolve(quant)
         decoder_config = model_config.get_text_config(decoder=True)
+        self._decoder_config = decoder_config
+        self.fused = fused
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
         num_layers = len(layer_types)
         scales = None
@@ -84,6 +90,18 @@ class KVQuantCache(Cache):
                 )
             )
         super().__init__(layers=layers)
+
+    def uses_views(self) -> bool:
+        """Whether ``update`` hands out store views (the ``kvquant`` attention is active)."""
+        if self.fused is not None:
+            return self.fused
+        return getattr(self._decoder_config, "_attn_implementation", None) == "kvquant"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, QuantizedKVLayer):
+            layer.return_view = self.uses_views()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"KVQuantCache(preset={self.quant_config.name!r}, layers={len(self.layers)})"

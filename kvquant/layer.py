@@ -57,6 +57,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.static_scales = static_scales
         self.initial_capacity = max(1, initial_capacity)
         self.record_past = False
+        self.return_view = False  # set by KVQuantCache when the model runs the `kvquant` attention
         self.block = config.key_group_size if config.key_axis == "channel" else 1
         self._clear()
 
@@ -126,15 +127,43 @@ class QuantizedKVLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------ update
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store the new tokens; return ``(history ++ new)`` keys and values ``[B, H, n, D]``."""
+        """Store the new tokens; return ``(history ++ new)`` keys and values ``[B, H, n, D]``.
+
+        With ``return_view`` set (the model runs the ``kvquant`` attention) both return values are
+        one :class:`~kvquant.attention.KVView` of the store instead: nothing is dequantized here.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs") or {}
+        position_ids = model_kwargs.get("position_ids")
+        if self.return_view:
+            view = self.view(key_states, value_states)
+            self.append(key_states, value_states, position_ids)
+            return view, view
         hist_k, hist_v = self.read_history()
-        self.append(key_states, value_states, model_kwargs.get("position_ids"))
+        self.append(key_states, value_states, position_ids)
         if hist_k.shape[2] == 0:
             return key_states, value_states
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
+
+    def view(self, k: torch.Tensor, v: torch.Tensor):
+        """A :class:`~kvquant.attention.KVView` of the history before ``k, v`` are appended."""
+        from kvquant.attention import KVView
+
+        begin = self.history_begin()
+        tail_begin = max(begin, self.store_end)
+        t0 = tail_begin - self.store_end
+        return KVView(
+            layer=self,
+            new_k=k,
+            new_v=v,
+            hist_begin=begin,
+            store_end=self.store_end,
+            tail_begin=tail_begin,
+            seq_before=self.seq_len,
+            tail_k=self.tail_k[:, :, t0 : self.tail_len].clone(),
+            tail_v=self.tail_v[:, :, t0 : self.tail_len].clone(),
+        )
 
     def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail."""
@@ -268,8 +297,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         t0 = max(begin - self.store_end, 0)
         parts_k.append(self.tail_k[:, :, t0 : self.tail_len])
         parts_v.append(self.tail_v[:, :, t0 : self.tail_len])
-        if len(parts_k) == 1:
-            return parts_k[0], parts_v[0]
+        if len(parts_k) == 1:  # a copy: the tail buffer is shifted in place by the next append
+            return parts_k[0].clone(), parts_v[0].clone()
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
 
     # ------------------------------------------------------------------------------------ generate hooks

@@ -17,6 +17,8 @@ FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gemma3"]
 PASSTHROUGH = {
     "plain": dict(key_format="none", value_format="none"),
     "sink-residual": dict(key_format="none", value_format="none", sink_tokens=3, residual_length=5),
+    # longer than the prompt: the first flushes happen while the whole history is still in the tail
+    "long-residual": dict(key_format="none", value_format="none", residual_length=16),
     "blocks": dict(key_format="none", value_format="none", key_axis="channel", key_group_size=4, sink_tokens=2,
                    residual_length=3),
 }

@@ -1,0 +1,241 @@
+"""The ``kvquant`` attention function: attends over the quantized store without rebuilding it.
+
+``import kvquant`` registers it with transformers' ``AttentionInterface`` together with a mask
+function of the same name (``AttentionMaskInterface``; without one a custom attention receives no
+mask). Load a model with ``attn_implementation="kvquant"`` or call :func:`enable`; a
+``KVQuantCache`` then hands this function a :class:`KVView` of the store instead of dequantized
+tensors. Per call:
+
+- decode (one query token): the stored history goes through the fused kernel (Triton on CUDA,
+  the chunked torch twin on CPU), the full-precision tokens (sinks, residual tail, the new token)
+  through a small dense attention, and the two partials are merged by log-sum-exp;
+- prefill of a fresh prompt: SDPA / eager on the prompt's own full-precision K/V;
+- a prefill chunk after cached tokens: the history is dequantized and attended with the mask.
+
+Given plain tensors (any other cache, or none) it behaves like ``sdpa`` (``eager`` with softcap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvquant.decode_cpu import decode_attention_torch
+from kvquant.rotation import rotate, unrotate
+
+ATTENTION_NAME = "kvquant"
+
+
+@dataclass
+class KVView:
+    """What ``KVQuantCache.update`` returns under the ``kvquant`` attention: the call's own
+    full-precision keys / values plus where its history lies in the layer.
+
+    ``hist_begin``: first visible position; ``store_end``: end of the quantized positions before
+    the call; ``tail_k / tail_v [B, H, n, D]``: the full-precision tail positions
+    ``[tail_begin, seq_before)`` as they were before the call (the call may flush them).
+    """
+
+    layer: object
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    hist_begin: int
+    store_end: int
+    tail_begin: int
+    seq_before: int
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        b, h, q, d = self.new_k.shape
+        return torch.Size((b, h, self.seq_before - self.hist_begin + q, d))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.new_k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.new_k.device
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The history (dequantized where stored) followed by the call's tokens: ``[B, H, n, D]``."""
+        parts_k, parts_v = [], []
+        if self.hist_begin < self.store_end:
+            k, v = self.layer.read_store(self.hist_begin, self.store_end)
+            parts_k.append(k)
+            parts_v.append(v)
+        parts_k += [self.tail_k, self.new_k]
+        parts_v += [self.tail_v, self.new_v]
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+
+# --------------------------------------------------------------------------------------------- dense parts
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def dense_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 attention returning ``(out[B, Hq, q, D], lse[B, Hq, q])``.
+
+    ``mask``: bool (True = attend) or additive float, broadcastable to ``[B, Hq, q, n]``.
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    k = _repeat_kv(key.float(), n_rep)
+    v = _repeat_kv(value.float(), n_rep)
+    scores = (query.float() @ k.transpose(-1, -2)) * scaling  # [B, Hq, q, n]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - lse_safe[..., None])
+    return probs @ v, lse
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Combine attention partials over disjoint key sets by log-sum-exp weights."""
+    lse = torch.stack(lses)  # [P, ...]
+    total = torch.logsumexp(lse, dim=0)
+    total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    weights = torch.exp(lse - total_safe)  # [P, ...]
+    return sum(w[..., None] * o for w, o in zip(weights, outs))
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None):
+    """Attention of ``q[B, Hq, D]`` over the view's stored positions (sinks excluded)."""
+    layer = view.layer
+    sink = layer.config.sink_tokens if layer.sink_k is not None else 0
+    first = torch.clamp(layer.pads + sink, min=view.hist_begin)  # [B] first stored position per row
+    start = first - layer.base
+    end = view.store_end - layer.base
+    ks, vs = layer.k_store, layer.v_store
+    rotated = layer.config.rotation == "hadamard"
+    qr = rotate(q) if rotated else q
+    args = dict(
+        k_fmt=ks.fmt, v_fmt=vs.fmt, k_group=ks.group_size, v_group=vs.group_size, k_axis=ks.axis,
+        start=start, end=end, scaling=scaling, softcap=softcap,
+    )
+    k_scale = ks.scale if ks.scale is not None else ks.static_scale
+    v_scale = vs.scale if vs.scale is not None else vs.static_scale
+    tensors = (qr, ks.codes, k_scale, ks.zero, vs.codes, v_scale, vs.zero)
+    if q.is_cuda:
+        from kvquant.kernels import quantized_decode_attention
+
+        out, lse = quantized_decode_attention(*tensors, **args)
+    else:
+        out, lse = decode_attention_torch(*tensors, **args)
+    if rotated:
+        out = unrotate(out)
+    return out, lse
+
+
+def _fp_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None):
+    """Attention of ``q[B, Hq, D]`` over the full-precision tokens: sinks, tail, the new token."""
+    layer = view.layer
+    pads = layer.pads
+    parts_k, parts_v, valid = [], [], []
+    if layer.sink_k is not None and view.hist_begin < view.store_end:
+        pos = pads[:, None] + torch.arange(layer.sink_k.shape[2], device=pads.device)  # [B, S]
+        valid.append((pos >= view.hist_begin) & (pos < view.store_end))
+        parts_k.append(layer.sink_k)
+        parts_v.append(layer.sink_v)
+    if view.tail_k.shape[2]:
+        pos = torch.arange(view.tail_begin, view.seq_before, device=pads.device)
+        valid.append(pos[None, :] >= pads[:, None])
+        parts_k.append(view.tail_k)
+        parts_v.append(view.tail_v)
+    parts_k.append(view.new_k)
+    parts_v.append(view.new_v)
+    valid.append(torch.ones(pads.shape[0], view.new_k.shape[2], dtype=torch.bool, device=pads.device))
+    k, v = torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+    mask = torch.cat(valid, dim=1)[:, None, None, :]  # [B, 1, 1, n]
+    out, lse = dense_attention(q[:, :, None], k, v, mask, scaling, softcap)
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    q = query[:, :, 0]  # [B, Hq, D]
+    outs, lses = [], []
+    if view.hist_begin < view.store_end:
+        o, lse = _store_partial(view, q, scaling, softcap)
+        outs.append(o)
+        lses.append(lse)
+    o, lse = _fp_partial(view, q, scaling, softcap)
+    outs.append(o)
+    lses.append(lse)
+    out = merge_partials(outs, lses)  # [B, Hq, D]
+    return out[:, None].to(query.dtype)  # [B, 1, Hq, D]
+
+
+# --------------------------------------------------------------------------------------------- entry
+
+
+def kvquant_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | KVView,
+    value: torch.Tensor | KVView,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered as ``"kvquant"``: ``query[B, Hq, q, D]`` -> ``[B, q, Hq, D]``."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
+    if isinstance(key, KVView):
+        view = key
+        if query.shape[2] == 1 and view.seq_before > 0:
+            return _decode(view, query, scaling, softcap), None
+        if view.seq_before == 0:  # a fresh prompt: its own full-precision K/V
+            key, value = view.new_k, view.new_v
+        else:  # a chunk after cached tokens: dequantize the history
+            key, value = view.dequantized()
+    if softcap is None and dropout == 0.0:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    mask = attention_mask
+    if mask is None and query.shape[2] > 1:
+        q_len, n = query.shape[2], key.shape[2]
+        mask = torch.ones(q_len, n, dtype=torch.bool, device=query.device).tril(n - q_len)
+    out, _ = dense_attention(query, key, value, mask, scaling, softcap)
+    return out.transpose(1, 2).to(query.dtype), None
+
+
+def register() -> None:
+    """Register the ``kvquant`` attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kvquant_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def enable(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch a loaded model to the ``kvquant`` attention (returns the model).
+
+    Example:
+        >>> model = kvquant.enable(model)
+        >>> model.generate(**inputs, cache=KVQuantCache(model.config, "int4"))
+    """
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model

