@@ -1,8 +1,18 @@
 """Quality with the cache in the loop: teacher-forced decoding, one token per forward call.
 
-``teacher_forced_logits`` prefills ``prefix_len`` tokens, then feeds the reference tokens one at a
+``teacher_forced_logprobs`` prefills ``prefix_len`` tokens, then feeds the reference tokens one at a
 time, exactly as generation would, and returns the log-probabilities of every prediction. Comparing
 two caches on the same tokens gives KL divergence, top-1 agreement and perplexity.
+
+``simulated_logprobs`` is the fast screen: one forward over the whole window through a cache whose
+``update`` returns the keys / values quantize-dequantized, the call's own tokens included (see
+:func:`kvquant.eval.caches.simulate_quantization`). It differs from decoding in what each query sees:
+in decode mode the prefill attends to full-precision K/V (so prediction 0 is never affected) and each
+decoded query sees its own token and the cache's full-precision residual window unquantized; in
+simulated mode every query sees every token, itself included, as stored, and the full-precision
+residual / sink tokens are those of the whole window (its last ``residual_length`` tokens), not of
+each query. transformers' QuantizedCache keeps its 128-token full-precision residual in decode mode
+but quantizes everything in simulated mode. Use decode mode for the numbers you report.
 
 Example:
     >>> ids = tok(text, return_tensors="pt").input_ids[:, :768]         # [1, P + N]
@@ -17,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvquant.eval.caches import simulate_quantization
 
 
 @torch.no_grad()
@@ -39,7 +51,7 @@ def teacher_forced_logprobs(
         raise ValueError(f"prefix_len: {prefix_len} must be in [1, {total - 1}] for {total} tokens")
     device = next(model.parameters()).device
     ids = input_ids.to(device)
-    out = model(input_ids=ids[:, :prefix_len], cache=cache, use_cache=True)
+    out = model(input_ids=ids[:, :prefix_len], cache=cache, use_cache=True, logits_to_keep=1)
     steps = [out.logits[:, -1].float().log_softmax(-1).cpu()]
     rng = range(prefix_len, total - 1)
     for t in progress(rng) if progress is not None else rng:
@@ -52,8 +64,19 @@ def teacher_forced_logprobs(
 def single_pass_logprobs(model: Any, input_ids: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """The same predictions as :func:`teacher_forced_logprobs` from one full forward, no cache."""
     device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device), use_cache=False).logits
-    return logits[:, prefix_len - 1 : -1].float().log_softmax(-1).cpu()
+    keep = input_ids.shape[1] - prefix_len + 1
+    logits = model(input_ids=input_ids.to(device), use_cache=False, logits_to_keep=keep).logits
+    return logits[:, -keep:-1].float().log_softmax(-1).cpu()
+
+
+@torch.no_grad()
+def simulated_logprobs(model: Any, input_ids: torch.Tensor, prefix_len: int, cache: Any) -> torch.Tensor:
+    """The same predictions from one forward with K/V quantize-dequantized through ``cache`` (empty)."""
+    device = next(model.parameters()).device
+    keep = input_ids.shape[1] - prefix_len + 1
+    cache = simulate_quantization(cache)
+    logits = model(input_ids=input_ids.to(device), cache=cache, use_cache=True, logits_to_keep=keep).logits
+    return logits[:, -keep:-1].float().log_softmax(-1).cpu()
 
 
 def compare(base: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:

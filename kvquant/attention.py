@@ -117,7 +117,7 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
     total = torch.logsumexp(lse, dim=0)
     total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
     weights = torch.exp(lse - total_safe)  # [P, ...]
-    return sum(w[..., None] * o for w, o in zip(weights, outs))
+    return sum(w[..., None] * o for w, o in zip(weights, outs, strict=True))
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -134,8 +134,15 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
     rotated = layer.config.rotation == "hadamard"
     qr = rotate(q) if rotated else q
     args = dict(
-        k_fmt=ks.fmt, v_fmt=vs.fmt, k_group=ks.group_size, v_group=vs.group_size, k_axis=ks.axis,
-        start=start, end=end, scaling=scaling, softcap=softcap,
+        k_fmt=ks.fmt,
+        v_fmt=vs.fmt,
+        k_group=ks.group_size,
+        v_group=vs.group_size,
+        k_axis=ks.axis,
+        start=start,
+        end=end,
+        scaling=scaling,
+        softcap=softcap,
     )
     k_scale = ks.scale if ks.scale is not None else ks.static_scale
     v_scale = vs.scale if vs.scale is not None else vs.static_scale

@@ -31,7 +31,9 @@ def load_static_scales(path: str | Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"static_scales: no such calibration file {str(path)!r}")
     data = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(data, dict) or "keys" not in data or "values" not in data:
-        raise ValueError(f"static_scales: {str(path)!r} is not a kvquant calibration file (needs 'keys', 'values')")
+        raise ValueError(
+            f"static_scales: {str(path)!r} is not a kvquant calibration file (needs 'keys', 'values')"
+        )
     return data
 
 
@@ -53,11 +55,19 @@ class KVQuantCache(Cache):
     decoding, batches with left padding) and with manual forward loops.
     """
 
-    def __init__(self, config: Any, quant: KVQuantConfig | str | Path | dict | None = None, *,
-                 initial_capacity: int = 256, fused: bool | None = None):
+    def __init__(
+        self,
+        config: Any,
+        quant: KVQuantConfig | str | Path | dict | None = None,
+        *,
+        initial_capacity: int = 256,
+        fused: bool | None = None,
+    ):
         model_config = getattr(config, "config", config)  # accept the model too
         if not hasattr(model_config, "get_text_config"):
-            raise ValueError(f"config: expected a transformers model config or model, got {type(config).__name__}")
+            raise ValueError(
+                f"config: expected a transformers model config or model, got {type(config).__name__}"
+            )
         self.quant_config = KVQuantConfig.resolve(quant)
         decoder_config = model_config.get_text_config(decoder=True)
         self._decoder_config = decoder_config
@@ -72,7 +82,7 @@ class KVQuantCache(Cache):
                     f"static_scales: file has {scales['keys'].shape[0]} layers, the model has {num_layers}"
                 )
         layers = []
-        for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs)):
+        for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
             if layer_type not in SUPPORTED_LAYER_TYPES:
                 raise ValueError(
                     f"layer_types: layer {i} is {layer_type!r}; KVQuantCache supports {', '.join(SUPPORTED_LAYER_TYPES)}"

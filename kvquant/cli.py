@@ -4,6 +4,7 @@ Example::
 
     kvquant demo                      # embedded SmolLM2: generate with a KV cache, print the text
     kvquant demo --prompt "Hi" -n 16
+    kvquant eval --cache int4 --corpus ../shared/data/wikitext-2-raw-test.txt   # quality/memory/speed
 
 Subcommands are added with one ``_add_<name>`` function each, registered in :func:`build_parser`.
 """
@@ -52,6 +53,149 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
+# ------------------------------------------------------------------------------------------ eval
+
+
+def _csv(kind: str):
+    """argparse type: "a,b,c" -> list (ints; "max" too for retrieval lengths)."""
+
+    def parse(text: str) -> list:
+        out = []
+        for item in text.split(","):
+            item = item.strip()
+            if kind == "lengths" and item == "max":
+                out.append(item)
+                continue
+            try:
+                out.append(int(item))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        return out
+
+    return parse
+
+
+# flag dest -> dotted config key (flags left at None do not override the YAML / defaults)
+_EVAL_FLAGS = {
+    "model": "model.name",
+    "dtype": "model.dtype",
+    "device": "model.device",
+    "device_map": "model.device_map",
+    "corpus": "corpus.name",
+    "text_field": "corpus.text_field",
+    "mode": "quality.mode",
+    "prefix_len": "quality.prefix_len",
+    "score_len": "quality.score_len",
+    "windows": "quality.windows",
+    "retrieval_lengths": "retrieval.lengths",
+    "retrieval_trials": "retrieval.trials",
+    "speed_contexts": "speed.context_lengths",
+    "speed_batches": "speed.batch_sizes",
+    "decode_tokens": "speed.decode_tokens",
+    "warmup": "speed.warmup",
+    "repeats": "speed.repeats",
+    "output_dir": "output.dir",
+    "run_name": "output.name",
+    "seed": "seed",
+}
+
+
+def _eval_overrides(args: argparse.Namespace) -> dict:
+    from kvquant.eval.config import TASKS, parse_set
+
+    overrides = parse_set(args.set or [])
+    for dest, key in _EVAL_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            overrides[key] = value
+    if args.cache:
+        overrides["caches"] = [c.strip() for item in args.cache for c in item.split(",") if c.strip()]
+    if args.tasks is not None:
+        chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        from kvquant.eval.config import EvalError
+
+        unknown = [t for t in chosen if t not in TASKS]
+        if unknown:
+            raise EvalError(f"--tasks: unknown task {unknown[0]!r}; allowed: {', '.join(TASKS)}")
+        for t in TASKS:
+            overrides[f"{t}.enabled"] = t in chosen
+    if args.no_progress:
+        overrides["progress"] = False
+    return overrides
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvquant.eval import EvalError, load_config, run_eval
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kvquant eval: %(message)s"))
+    log = logging.getLogger("kvquant.eval")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        config = load_config(args.config, _eval_overrides(args))
+        result = run_eval(config)
+    except EvalError as exc:
+        print(f"kvquant eval: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    finally:
+        log.removeHandler(handler)
+    print(result.table)
+    print(f"\nresults: {result.run_dir}")
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="quality, retrieval, memory and speed of cache configs against DynamicCache",
+        description="Settings: dataclass defaults -> --config YAML -> --set KEY=VALUE -> the flags below. "
+        "See eval/README.md.",
+    )
+    p.add_argument(
+        "--config", default=None, help="YAML file, or a name shipped in configs/eval/ (e.g. default)"
+    )
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override any key, e.g. speed.repeats=5"
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="'smollm2' (embedded, default), a HF id or a local folder")
+    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
+    g.add_argument("--device-map", help="passed to from_pretrained, e.g. auto")
+    g = p.add_argument_group("corpus and caches")
+    g.add_argument("--corpus", help="embedded (default), wikitext2, or a .txt / .jsonl / .json file")
+    g.add_argument("--text-field", help="column of a .jsonl / .json corpus (default: text)")
+    g.add_argument(
+        "--cache",
+        action="append",
+        help="cache spec(s), repeatable or comma-separated: dynamic, a kvquant preset or YAML, hf-quanto-int4, "
+        "hf-quanto-int2, hf-hqq-int4, hf-fp8, or the groups presets / peers / all",
+    )
+    g.add_argument("--tasks", help="comma-separated subset of quality,memory,speed,retrieval (default: all)")
+    g = p.add_argument_group("quality")
+    g.add_argument("--mode", choices=("decode", "simulated"))
+    g.add_argument("--prefix-len", type=int, help="P: tokens prefilled per window")
+    g.add_argument("--score-len", type=int, help="D: tokens scored per window")
+    g.add_argument("--windows", type=int, help="number of non-overlapping windows")
+    g = p.add_argument_group("retrieval / speed")
+    g.add_argument("--retrieval-lengths", type=_csv("lengths"), help="e.g. 1024,4096,max")
+    g.add_argument("--retrieval-trials", type=int)
+    g.add_argument("--speed-contexts", type=_csv("ints"), help="e.g. 256,1024")
+    g.add_argument("--speed-batches", type=_csv("ints"), help="e.g. 1,8 (GPU)")
+    g.add_argument("--decode-tokens", type=int)
+    g.add_argument("--warmup", type=int)
+    g.add_argument("--repeats", type=int)
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", help="parent of the run folder (default: runs)")
+    g.add_argument("--run-name", help="run folder name (default: <model>-<corpus>-<mode>-<hash>)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
@@ -59,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvquant {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
+    _add_eval(sub)
     return parser
 
 

@@ -90,7 +90,9 @@ class KVQuantConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise _bad(f, v, "a positive integer or null (whole head)")
         if self.key_axis == "channel" and self.key_group_size is None:
-            raise _bad("key_group_size", None, "a positive integer (tokens per block) when key_axis is 'channel'")
+            raise _bad(
+                "key_group_size", None, "a positive integer (tokens per block) when key_axis is 'channel'"
+            )
         if self.rotation not in ROTATIONS:
             raise _bad("rotation", self.rotation, ", ".join(ROTATIONS))
         for f in ("sink_tokens", "residual_length"):
@@ -103,7 +105,9 @@ class KVQuantConfig:
             for f in ("key_format", "value_format"):
                 kind = format_spec(getattr(self, f)).kind
                 if kind == "int_asym":
-                    raise _bad(f, getattr(self, f), "int8, fp8_e4m3, fp8_e5m2 or none when static_scales is set")
+                    raise _bad(
+                        f, getattr(self, f), "int8, fp8_e4m3, fp8_e5m2 or none when static_scales is set"
+                    )
             if self.key_axis != "token":
                 raise _bad("key_axis", self.key_axis, "'token' when static_scales is set")
         if not isinstance(self.layer_overrides, dict):
@@ -172,7 +176,9 @@ class KVQuantConfig:
     def from_yaml(cls, path: str | Path) -> KVQuantConfig:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"config: no such preset or YAML file {str(path)!r}; presets: {', '.join(preset_names())}")
+            raise ValueError(
+                f"config: no such preset or YAML file {str(path)!r}; presets: {', '.join(preset_names())}"
+            )
         data = yaml.safe_load(path.read_text()) or {}
         data.setdefault("name", path.stem)
         return cls.from_dict(data)
@@ -199,7 +205,9 @@ class KVQuantConfig:
             return cls.from_preset(spec)
         if isinstance(spec, (str, Path)):
             return cls.from_yaml(spec)
-        raise ValueError(f"config: expected a preset name, YAML path, dict or KVQuantConfig, got {type(spec).__name__}")
+        raise ValueError(
+            f"config: expected a preset name, YAML path, dict or KVQuantConfig, got {type(spec).__name__}"
+        )
 
 
 def _presets_dir():

@@ -163,7 +163,9 @@ def _group_view(x: torch.Tensor, group_size: int, axis: str) -> tuple[torch.Tens
         return x.reshape(b, h, t, d // group_size, group_size), -1  # [B, H, T, D/G, G]
     if axis == "channel":
         if t % group_size:
-            raise ValueError(f"channel-axis quantization needs T ({t}) to be a multiple of group_size {group_size}")
+            raise ValueError(
+                f"channel-axis quantization needs T ({t}) to be a multiple of group_size {group_size}"
+            )
         return x.reshape(b, h, t // group_size, group_size, d), -2  # [B, H, T/G, G, D]
     raise ValueError(f"axis: unknown axis {axis!r}; allowed: {', '.join(AXES)}")
 
@@ -296,7 +298,9 @@ def dequantize(
     return _ungroup(x, q.shape).to(out_dtype)
 
 
-def error_bound(block: QuantizedBlock, fmt: str, x: torch.Tensor, *, group_size=None, axis="token") -> torch.Tensor:
+def error_bound(
+    block: QuantizedBlock, fmt: str, x: torch.Tensor, *, group_size=None, axis="token"
+) -> torch.Tensor:
     """Per-element bound on ``|dequantize(quantize(x)) - x|`` implied by the format, ``[B, H, T, D]``.
 
     Integers: half a step (``scale / 2``). fp8: half an ulp of the scaled value (relative

@@ -32,7 +32,9 @@ def _hadamard_cpu(d: int) -> torch.Tensor:
     return (h / d**0.5).float()  # [D, D], orthogonal and symmetric
 
 
-def hadamard_matrix(d: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def hadamard_matrix(
+    d: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The normalized ``[D, D]`` Walsh-Hadamard matrix (orthogonal, symmetric)."""
     return _hadamard_cpu(d).to(device=device, dtype=dtype)
 

@@ -67,7 +67,9 @@ class TokenStore:
     def capacity(self) -> int:
         return 0 if self.codes is None else self.codes.shape[2]
 
-    def allocate(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device) -> None:
+    def allocate(
+        self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device
+    ) -> None:
         """Allocate empty buffers for ``capacity`` tokens (rounded up to whole blocks)."""
         self.head_dim = head_dim
         capacity = -(-capacity // self.block) * self.block
@@ -91,7 +93,9 @@ class TokenStore:
             return
         old = (self.codes, self.scale, self.zero)
         b, h, _, _ = self.codes.shape
-        self.allocate(b, h, self.head_dim, max(needed, 2 * self.capacity), self.codes.dtype, self.codes.device)
+        self.allocate(
+            b, h, self.head_dim, max(needed, 2 * self.capacity), self.codes.dtype, self.codes.device
+        )
         rows = -(-used // self.block)
         self.codes[:, :, :used].copy_(old[0][:, :, :used])
         if self.scale is not None:
@@ -139,8 +143,14 @@ class TokenStore:
     def read(self, i0: int, i1: int, out_dtype: torch.dtype) -> torch.Tensor:
         """Dequantize buffer indices ``[i0, i1)`` -> ``[B, H, i1 - i0, D]``."""
         blk, off = self.block_at(i0, i1)
-        x = dequantize(blk, self.fmt, head_dim=self.head_dim, group_size=self.group_size, axis=self.axis,
-                       out_dtype=out_dtype)
+        x = dequantize(
+            blk,
+            self.fmt,
+            head_dim=self.head_dim,
+            group_size=self.group_size,
+            axis=self.axis,
+            out_dtype=out_dtype,
+        )
         return x[:, :, off : off + (i1 - i0)]
 
     def move(self, src: int, end: int, dst: int) -> None:

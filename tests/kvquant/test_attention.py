@@ -29,8 +29,17 @@ def _run(model, preset, fused, ids, mask, n=16):
     cache = KVQuantCache(model.config, preset, fused=fused, initial_capacity=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     return out.sequences, torch.stack(out.logits)
 
 
@@ -66,7 +75,9 @@ def test_views_only_under_the_kvquant_attention():
     "cfg",
     [
         dict(key_format="int4", value_format="int2", key_group_size=8, sink_tokens=2, residual_length=3),
-        dict(key_format="int2", value_format="int4", key_axis="channel", key_group_size=4, value_group_size=8),
+        dict(
+            key_format="int2", value_format="int4", key_axis="channel", key_group_size=4, value_group_size=8
+        ),
         dict(key_format="fp8_e5m2", value_format="int8", rotation="hadamard"),
         dict(key_format="none", value_format="none", sink_tokens=1, residual_length=2),
     ],
@@ -103,7 +114,9 @@ def test_decode_step_allocates_less_than_a_full_precision_history():
         twin = copy.deepcopy(layer)
         twin.return_view = fused
         q, k, v = torch.randn(b, 2 * h, 1, d), torch.randn(b, h, 1, d), torch.randn(b, h, 1, d)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
             keys, values = twin.update(k, v)
             kvquant_attention_forward(module, q, keys, values, None, scaling=0.125)
         return max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)

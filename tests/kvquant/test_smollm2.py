@@ -1,0 +1,118 @@
+"""On the embedded SmolLM2-135M-Instruct: int8 quality, int4 memory, and the fused attention path.
+
+Marked `slow` (they load the real model); they still run in `make test`."""
+
+import copy
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvquant
+from kvquant import KVQuantCache, KVQuantConfig
+from kvquant.config import preset_names
+from kvquant.eval.decode import compare, teacher_forced_logprobs
+from kvquant.memory import format_bytes_per_token
+from kvquant.models import load_model
+
+pytestmark = pytest.mark.slow
+
+DATA = Path(os.environ.get("KVQUANT_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+WIKITEXT = DATA / "wikitext-2-raw-test.txt"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tok = load_model()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def wikitext_ids(smollm2):
+    if not WIKITEXT.is_file():
+        pytest.fail(f"WikiText-2 test file missing at {WIKITEXT} (set KVQUANT_DATA)")
+    _, tok = smollm2
+    text = WIKITEXT.read_text()[:40_000]
+    return tok(text, return_tensors="pt").input_ids  # [1, N]
+
+
+def test_int8_teacher_forced_kl_and_top1(smollm2, wikitext_ids):
+    model, _ = smollm2
+    ids = wikitext_ids[:, :768]  # 512-token prefix, 256 scored tokens, one token per forward
+    base = teacher_forced_logprobs(model, ids, 512, DynamicCache(config=model.config))
+    test = teacher_forced_logprobs(model, ids, 512, KVQuantCache(model.config, "int8"))
+    res = compare(base, test, ids[:, 512:])
+    assert res["tokens"] == 256
+    assert res["kl_mean"] <= 1e-3, res
+    assert res["top1_agreement"] >= 0.98, res
+
+
+def test_int4_bytes_at_2048_tokens(smollm2, wikitext_ids):
+    model, _ = smollm2
+    model_bf16 = model.to(torch.bfloat16)  # an fp16-class model dtype: full-precision tokens at 2 bytes
+    try:
+        ids = wikitext_ids[:, :2048]
+        ref = DynamicCache(config=model.config)
+        cache = KVQuantCache(model.config, "int4")
+        with torch.no_grad():
+            model_bf16(input_ids=ids, cache=ref)
+            model_bf16(input_ids=ids, cache=cache)
+        fp16_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in ref.layers)
+        cfg = model.config
+        theory = format_bytes_per_token(KVQuantConfig.resolve("int4"), cfg.num_key_value_heads, cfg.head_dim)
+        theory *= 2048 * cfg.num_hidden_layers
+        assert cache.fp16_bytes() == fp16_bytes
+        assert cache.nbytes() <= 0.30 * fp16_bytes, cache.nbytes() / fp16_bytes
+        assert abs(cache.nbytes() / theory - 1) <= 0.03, cache.nbytes() / theory
+    finally:
+        model.to(torch.float32)
+
+
+def _generate(model, cache, ids, n=16):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            ids,
+            cache=cache,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_fused_attention_on_smollm2(smollm2, wikitext_ids):
+    """Pass-through under the fused path generates DynamicCache's tokens; every quantized preset gives
+    the dequantizing path's logits on the same cache contents (each step runs both paths on copies of
+    one cache: fed separately, a 1e-6 difference in a new token's K/V can flip one rounding and the
+    contents would drift apart) and the same greedy tokens."""
+    model, _ = smollm2
+    ids = wikitext_ids[:, :300]
+    try:
+        ref_seq, _ = _generate(model, DynamicCache(config=model.config), ids)
+        dequant_seqs = {p: _generate(model, KVQuantCache(model.config, p), ids)[0] for p in preset_names()}
+        kvquant.enable(model)
+        assert torch.equal(_generate(model, KVQuantCache(model.config, "none"), ids)[0], ref_seq)
+        for preset in preset_names():
+            assert torch.equal(
+                _generate(model, KVQuantCache(model.config, preset), ids)[0], dequant_seqs[preset]
+            )
+        for preset in preset_names():
+            cache = KVQuantCache(model.config, preset)
+            with torch.no_grad():
+                model(input_ids=ids[:, :280], cache=cache)
+                for t in range(280, 286):
+                    twin = copy.deepcopy(cache)
+                    model.set_attn_implementation("sdpa")
+                    want = model(input_ids=ids[:, t : t + 1], cache=cache).logits
+                    kvquant.enable(model)
+                    got = model(input_ids=ids[:, t : t + 1], cache=twin).logits
+                    rel = ((got - want).norm() / want.norm()).item()
+                    assert rel <= 1e-4, (preset, t, rel)
+    finally:
+        model.set_attn_implementation("sdpa")

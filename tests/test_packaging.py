@@ -1,0 +1,73 @@
+"""Packaging: kernels/, eval/ and configs/ are installed only under `kvquant.`, never top-level.
+
+Hugging Face's own `kernels` package owns the top-level name `kernels` and transformers probes for it;
+a top-level `kernels` (or `eval`, `configs`) from this repo would shadow it and confuse that probe.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _origin_paths(spec) -> list[Path]:
+    paths = []
+    if spec.origin and spec.origin not in ("built-in", "frozen"):
+        paths.append(Path(spec.origin).resolve())
+    paths += [Path(p).resolve() for p in (spec.submodule_search_locations or [])]
+    return paths
+
+
+@pytest.mark.parametrize("name", ["kernels", "eval", "configs"])
+def test_no_top_level_module_from_this_repo(name):
+    assert str(REPO) not in [str(Path(p).resolve()) for p in sys.path if p], "repo root is on sys.path"
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return  # nothing by that name: fine (HF's `kernels` may also be installed elsewhere: also fine)
+    for path in _origin_paths(spec):
+        assert not path.is_relative_to(REPO), f"top-level {name!r} resolves into this repo: {path}"
+
+
+@pytest.mark.parametrize(
+    ("module", "folder"),
+    [
+        ("kvquant", "kvquant"),
+        ("kvquant.kernels", "kernels"),
+        ("kvquant.eval", "eval"),
+        ("kvquant.configs", "configs"),
+    ],
+)
+def test_subpackages_map_to_repo_folders(module, folder):
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, f"{module} is not importable"
+    locations = [Path(p).resolve() for p in spec.submodule_search_locations or []]
+    if locations and locations[0].is_relative_to(REPO):  # editable install (make setup)
+        assert locations == [REPO / folder]
+    else:  # a regular (wheel) install: the package lives in site-packages under kvquant/
+        parts = tuple(module.split("."))
+        assert locations and locations[0].parts[-len(parts) :] == parts
+
+
+def test_preset_yamls_are_package_data():
+    presets = importlib.resources.files("kvquant.configs") / "presets"
+    if not presets.is_dir():
+        pytest.skip("configs/presets/ does not exist yet")
+    yamls = [p for p in presets.iterdir() if p.name.endswith((".yaml", ".yml"))]
+    if not yamls:
+        pytest.skip("configs/presets/ has no YAML yet")
+    for p in yamls:
+        assert p.read_text().strip(), f"{p.name} is empty"
+
+
+def test_console_script_entry_point():
+    from importlib.metadata import entry_points
+
+    (ep,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "kvquant"]
+    assert ep.value == "kvquant.cli:main"
+    assert callable(ep.load())
