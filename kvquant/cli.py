@@ -13,43 +13,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
-
-DEMO_PROMPT = "The capital of France is"
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import DynamicCache
+    from kvquant.demo import run
 
-    from kvquant.models import load_model
-
-    start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
-    print(f"loaded {args.model or 'embedded SmolLM2-135M-Instruct'} in {time.perf_counter() - start:.1f} s")
-
-    inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)  # input_ids: [1, T]
-    cache = DynamicCache(config=model.config)
-    # TODO(lead): int4 cache + memory/quality report — run the same prompt with
-    #   KVQuantCache(model.config, "int4") beside this DynamicCache and print bytes/token of each cache,
-    #   teacher-forced KL / top-1 agreement against the full-precision run, and both generated texts.
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**inputs, cache=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
-    elapsed = time.perf_counter() - start
-    new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
-    text = tokenizer.decode(out[0], skip_special_tokens=True)
-    print(f"[DynamicCache] {new_tokens} tokens in {elapsed:.2f} s ({new_tokens / elapsed:.1f} tok/s)")
-    print(text)
-    return 0
+    return run(args.model, args.prompt, args.max_new_tokens, args.cache)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="generate with the embedded model and a KV cache, print the text")
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("-n", "--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompt", default=None, help="user message (default: a fixed paragraph request)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    p.add_argument("--cache", default="int4", help="preset name or YAML path (default: int4)")
     p.set_defaults(func=_cmd_demo)
 
 
@@ -81,6 +59,7 @@ _EVAL_FLAGS = {
     "dtype": "model.dtype",
     "device": "model.device",
     "device_map": "model.device_map",
+    "attn": "model.attn_implementation",
     "corpus": "corpus.name",
     "text_field": "corpus.text_field",
     "mode": "quality.mode",
@@ -165,6 +144,9 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
     g.add_argument("--device-map", help="passed to from_pretrained, e.g. auto")
+    g.add_argument(
+        "--attn", help="attention implementation: sdpa (default), eager, or kvquant (fused decode over the store)"
+    )
     g = p.add_argument_group("corpus and caches")
     g.add_argument("--corpus", help="embedded (default), wikitext2, or a .txt / .jsonl / .json file")
     g.add_argument("--text-field", help="column of a .jsonl / .json corpus (default: text)")

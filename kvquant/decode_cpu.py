@@ -22,6 +22,20 @@ def _codes_as_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     return codes.float()
 
 
+def _code_planes(codes: torch.Tensor, fmt: str) -> list[torch.Tensor]:
+    """Codes ``[B, H, c, W]`` -> float32 planes whose concatenation along the last dim is the head.
+
+    Packed formats come back as their planar pieces (int4: channels ``[0, D/2)`` and ``[D/2, D)``),
+    so no concatenated copy is made; each piece is widened to float exactly once.
+    """
+    spec = format_spec(fmt)
+    if spec.kind != "int_asym":
+        return [codes.float()]
+    w = codes.shape[-1]
+    planes = unpack_codes(codes, spec.bits)  # [B, H, c, D] uint8 (one cheap pass over bytes)
+    return [planes[..., k * w : (k + 1) * w].float() for k in range(spec.per_byte)]
+
+
 def _rows(t: torch.Tensor | None, r0: int, r1: int, b: int, h: int) -> torch.Tensor | None:
     """Scale / zero rows ``[r0, r1)``; a static ``[1, H, 1, 1]`` scale is broadcast to every row."""
     if t is None:
@@ -80,6 +94,33 @@ def _value_out(p, vf, scale, zero, c0, c1):
     return out.reshape(*out.shape[:3], d)
 
 
+def _key_scores_planes(qg, planes, scale, zero, c0, c1):
+    """``_key_scores`` for one scale per (token, head), plane by plane: ``[B, Hkv, G, c]``."""
+    raw, off = None, 0
+    for plane in planes:
+        w = plane.shape[-1]
+        part = qg[..., off : off + w] @ plane.transpose(-1, -2)
+        raw = part if raw is None else raw + part
+        off += w
+    if scale is None:
+        return raw
+    b, h = planes[0].shape[:2]
+    raw = raw * _rows(scale, c0, c1, b, h)[..., 0][:, :, None]
+    if zero is not None:
+        raw = raw + qg.sum(-1, keepdim=True) * _rows(zero, c0, c1, b, h)[..., 0][:, :, None]
+    return raw
+
+
+def _value_out_planes(p, planes, scale, zero, c0, c1):
+    """``_value_out`` for one scale per (token, head), plane by plane: ``[B, Hkv, G, D]``."""
+    b, h = planes[0].shape[:2]
+    ps = p if scale is None else p * _rows(scale, c0, c1, b, h)[..., 0][:, :, None]
+    out = torch.cat([ps @ plane for plane in planes], dim=-1) if len(planes) > 1 else ps @ planes[0]
+    if zero is not None:
+        out = out + p @ _rows(zero, c0, c1, b, h)
+    return out
+
+
 def decode_attention_torch(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -98,7 +139,7 @@ def decode_attention_torch(
     end: int,
     scaling: float,
     softcap: float | None = None,
-    chunk: int = 1024,
+    chunk: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per row over store buffer indices ``[start[b], end)``.
 
@@ -125,10 +166,19 @@ def decode_attention_torch(
     lo = lo // block * block
     chunk = max(block, chunk // block * block)
     start = start.to(q.device)
+    # one scale per (token, head): work plane by plane, no unpacked copy of the chunk
+    k_fast = k_axis == "token" and (k_scale is None or k_scale.shape[-1] == 1)
+    v_fast = v_scale is None or v_scale.shape[-1] == 1
     for c0 in range(lo, end, chunk):
         c1 = min(end, c0 + chunk)
-        kf = _codes_as_float(k_codes[:, :, c0:c1], k_fmt)
-        scores = _key_scores(qg, kf, k_scale, k_zero, k_axis, k_group, c0, c1) * scaling  # [B, Hkv, G, c]
+        if k_fast:
+            scores = _key_scores_planes(
+                qg, _code_planes(k_codes[:, :, c0:c1], k_fmt), k_scale, k_zero, c0, c1
+            )
+        else:
+            kf = _codes_as_float(k_codes[:, :, c0:c1], k_fmt)
+            scores = _key_scores(qg, kf, k_scale, k_zero, k_axis, k_group, c0, c1)
+        scores = scores * scaling  # [B, Hkv, G, c]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         pos = torch.arange(c0, c1, device=q.device)
@@ -139,8 +189,11 @@ def decode_attention_torch(
         p = torch.exp(scores - m_safe[..., None])
         corr = torch.exp(m - m_safe)
         l_sum = l_sum * corr + p.sum(-1)
-        vf = _codes_as_float(v_codes[:, :, c0:c1], v_fmt)
-        acc = acc * corr[..., None] + _value_out(p, vf, v_scale, v_zero, c0, c1)
+        if v_fast:
+            pv = _value_out_planes(p, _code_planes(v_codes[:, :, c0:c1], v_fmt), v_scale, v_zero, c0, c1)
+        else:
+            pv = _value_out(p, _codes_as_float(v_codes[:, :, c0:c1], v_fmt), v_scale, v_zero, c0, c1)
+        acc = acc * corr[..., None] + pv
         m = m_new
     out = torch.where(l_sum[..., None] > 0, acc / l_sum.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
     lse = m + torch.log(l_sum)

@@ -142,11 +142,24 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: bytes ``[..., W]`` -> uint8 codes ``[..., W * 8 // bits]``."""
+    """Inverse of :func:`pack_codes`: bytes ``[..., W]`` -> uint8 codes ``[..., W * 8 // bits]``.
+
+    Works on 32-bit words where the layout allows (one shift and mask unpacks four bytes at once:
+    torch's uint8 shifts are not vectorized on CPU), else byte by byte.
+    """
     if bits == 8:
         return packed
     per_byte = 8 // bits
     mask = (1 << bits) - 1
+    if packed.shape[-1] % 4 == 0 and packed.stride(-1) == 1 and packed.storage_offset() % 4 == 0:
+        try:
+            words = packed.view(torch.int32)  # [..., W / 4]
+        except RuntimeError:
+            words = None
+        if words is not None:
+            word_mask = int.from_bytes(bytes([mask]) * 4, "little")
+            parts = [((words >> (k * bits)) & word_mask).view(torch.uint8) for k in range(per_byte)]
+            return torch.cat(parts, dim=-1)
     parts = [(packed >> (k * bits)) & mask for k in range(per_byte)]
     return torch.cat(parts, dim=-1)
 
