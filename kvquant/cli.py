@@ -145,7 +145,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
     g.add_argument("--device-map", help="passed to from_pretrained, e.g. auto")
     g.add_argument(
-        "--attn", help="attention implementation: sdpa (default), eager, or kvquant (fused decode over the store)"
+        "--attn",
+        help="attention implementation: sdpa (default), eager, or kvquant (fused decode over the store)",
     )
     g = p.add_argument_group("corpus and caches")
     g.add_argument("--corpus", help="embedded (default), wikitext2, or a .txt / .jsonl / .json file")
@@ -178,6 +179,33 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_eval)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.target == "kernels":
+        from kvquant.kernels.bench import main as kernels_main
+
+        return kernels_main(["--out", args.out or "runs/bench-kernels"])
+    from kvquant.bench import bench_cpu
+
+    bench_cpu(
+        args.model, tuple(args.contexts), tuple(args.presets), args.steps, args.repeats, out_dir=args.out
+    )
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="decode speed: 'cpu' (model tokens/s) or 'kernels' (GPU kernels)")
+    p.add_argument("target", choices=["cpu", "kernels"])
+    p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
+    p.add_argument("--contexts", type=_csv("ints"), default=[2048, 4096])
+    p.add_argument(
+        "--presets", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=["int4"]
+    )
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="folder for JSON + markdown results")
+    p.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
@@ -186,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
     _add_eval(sub)
+    _add_bench(sub)
     return parser
 
 
