@@ -1,0 +1,282 @@
+"""The caches the harness compares, what they hold, and what their format costs in theory.
+
+A cache spec is a string:
+
+``dynamic``            transformers' ``DynamicCache`` (full precision: the baseline)
+``<preset>`` / path    a :class:`~kvquant.KVQuantCache` from a kvquant preset name or a YAML file
+``hf-quanto-int4``     transformers' ``QuantizedCache(backend="quanto", nbits=4)`` (also ``-int2``)
+``hf-hqq-int4``        ``QuantizedCache(backend="hqq", nbits=4)`` (also ``-int2``; needs ``hqq``)
+``hf-fp8``             ``QuantizedCache(backend="fp8")``: per-tensor float8_e4m3 (transformers >= 5.24)
+``presets`` / ``peers`` / ``all``   every kvquant preset / every installed peer / dynamic+peers+presets
+
+From Python, :meth:`CacheSpec.custom` wraps any cache factory (e.g. your own ``Cache`` subclass).
+
+Peers use transformers' defaults (quanto / hqq: ``q_group_size=64``, ``residual_length=128``,
+``axis=0``: one scale and one shift, in the model's dtype, per 64 consecutive elements of the
+``[B, H, T, D]`` tensor, i.e. per head vector when ``head_dim`` is 64; the whole history is
+re-quantized each time the 128-token full-precision residual fills).
+
+Bytes held are counted from the tensors each cache holds after a run: ``KVQuantCache.nbytes()``
+(codes, scales, zero points, full-precision tail and sink of valid tokens); for transformers' caches,
+every tensor under each layer's ``keys``, ``values``, ``_quantized_keys`` and ``_quantized_values``,
+quantized tensor subclasses unpacked into their inner tensors (quanto: packed ``_data``, ``_scale``,
+``_shift``; hqq: the packed tensor and its ``meta`` scale / zero; fp8: codes + one fp32 scale).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvquant.config import KVQuantConfig, preset_names
+from kvquant.eval.config import EvalError
+
+_PEERS = {
+    # name: (backend, nbits, python module it needs)
+    "hf-quanto-int4": ("quanto", 4, "optimum.quanto"),
+    "hf-quanto-int2": ("quanto", 2, "optimum.quanto"),
+    "hf-hqq-int4": ("hqq", 4, "hqq"),
+    "hf-hqq-int2": ("hqq", 2, "hqq"),
+    "hf-fp8": ("fp8", 8, None),
+}
+PEER_GROUP_SIZE = 64  # transformers' default q_group_size for quanto / hqq
+
+
+def _module_available(name: str | None) -> bool:
+    if name is None:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _hf_fp8_available() -> bool:
+    from transformers import cache_utils
+
+    return hasattr(cache_utils, "Fp8QuantizedLayer")
+
+
+def available_peers() -> list[str]:
+    """transformers' QuantizedCache variants usable here (backend installed)."""
+    out = []
+    for name, (backend, _, module) in _PEERS.items():
+        ok = _hf_fp8_available() if backend == "fp8" else _module_available(module)
+        if ok:
+            out.append(name)
+    return out
+
+
+@dataclass
+class CacheSpec:
+    """One cache configuration the harness evaluates."""
+
+    name: str
+    kind: str  # "dynamic", "kvquant", "hf" or "custom"
+    quant: KVQuantConfig | None = None
+    backend: str | None = None
+    nbits: int | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    factory: Callable[[Any], Any] | None = field(default=None, repr=False)
+
+    @classmethod
+    def custom(cls, name: str, factory: Callable[[Any], Any], **settings: Any) -> CacheSpec:
+        """A spec for any cache: ``factory(model)`` returns a fresh cache; ``settings`` (JSON-able)
+        describe it and, with the name, identify its record when a run resumes."""
+        return cls(name, "custom", settings={"class": "custom", **settings}, factory=factory)
+
+    @property
+    def key(self) -> str:
+        """Identity of the record in ``results.jsonl``: name + a hash of the resolved settings."""
+        blob = json.dumps({"name": self.name, "kind": self.kind, "settings": self.settings}, sort_keys=True)
+        return f"{self.name}@{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
+
+    def build(self, model: Any) -> Any:
+        """A fresh, empty cache for ``model``."""
+        from transformers import DynamicCache, QuantizedCache
+
+        from kvquant import KVQuantCache
+
+        config = model.config
+        if self.kind == "dynamic":
+            return DynamicCache(config=config)
+        if self.kind == "kvquant":
+            return KVQuantCache(config, self.quant)
+        if self.kind == "custom":
+            return self.factory(model)
+        if self.backend == "fp8":
+            return QuantizedCache(backend="fp8", config=config)
+        return QuantizedCache(backend=self.backend, config=config, nbits=self.nbits)
+
+
+def _one_spec(spec: str) -> CacheSpec:
+    if spec == "dynamic":
+        return CacheSpec("dynamic", "dynamic", settings={"class": "DynamicCache"})
+    if spec in _PEERS:
+        backend, nbits, module = _PEERS[spec]
+        if spec not in available_peers():
+            need = "a transformers with the fp8 backend" if backend == "fp8" else f"the {module!r} package"
+            raise EvalError(f"cache {spec!r}: needs {need}, which is not installed")
+        settings = {"class": "QuantizedCache", "backend": backend}
+        if backend != "fp8":
+            settings.update(nbits=nbits, q_group_size=PEER_GROUP_SIZE, residual_length=128, axis=0)
+        return CacheSpec(spec, "hf", backend=backend, nbits=nbits, settings=settings)
+    try:
+        quant = KVQuantConfig.resolve(spec)
+    except ValueError as exc:
+        allowed = "dynamic, " + ", ".join(_PEERS) + ", presets, peers, all, " + ", ".join(preset_names())
+        if spec.endswith((".yaml", ".yml")) or "/" in spec:
+            raise EvalError(f"cache {spec!r}: {exc}") from None
+        raise EvalError(
+            f"cache: unknown cache or preset {spec!r}; allowed: {allowed}, or a YAML path"
+        ) from None
+    return CacheSpec(
+        quant.name, "kvquant", quant=quant, settings={"class": "KVQuantCache", **quant.to_dict()}
+    )
+
+
+def resolve_specs(specs: list[str]) -> list[CacheSpec]:
+    """Expand groups, resolve every spec, put ``dynamic`` first, drop duplicates."""
+    names: list[str] = []
+    for raw in specs:
+        for spec in str(raw).split(","):
+            spec = spec.strip()
+            if spec == "presets":
+                names += preset_names()
+            elif spec == "peers":
+                names += available_peers()
+            elif spec == "all":
+                names += ["dynamic", *available_peers(), *preset_names()]
+            elif spec:
+                names.append(spec)
+    out: dict[str, CacheSpec] = {"dynamic": _one_spec("dynamic")}
+    for name in names:
+        s = _one_spec(name)
+        out.setdefault(s.key if s.kind != "dynamic" else "dynamic", s)
+    return list(out.values())
+
+
+# ------------------------------------------------------------------------------------------ bytes
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every plain tensor in ``obj`` (tensor subclasses, tuples, lists, dicts unpacked)."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
+            names, _ = obj.__tensor_flatten__()
+            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of the keys and values a cache holds (see the module docstring for how they are counted)."""
+    if hasattr(cache, "nbytes") and callable(cache.nbytes):
+        return int(cache.nbytes())
+    total = 0
+    for layer in cache.layers:
+        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += _tensor_bytes(getattr(layer, attr, None))
+    return total
+
+
+def kv_geometry(model: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head_dim) of the model's decoder."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv, head_dim
+
+
+def fp16_bytes_per_token(model: Any) -> int:
+    """K and V of one token over all layers in fp16."""
+    layers, kv, head_dim = kv_geometry(model)
+    return layers * kv * head_dim * 2 * 2
+
+
+def _kvquant_bits(fmt: str, group: int, scale_bits: int, static: bool, dtype_bits: int) -> float:
+    from kvquant.formats import format_spec
+
+    spec = format_spec(fmt)
+    if spec.kind == "passthrough":
+        return float(dtype_bits)
+    if static:
+        return float(spec.bits)
+    return spec.bits + scale_bits * (2 if spec.has_zero else 1) / group
+
+
+def theoretical_bits(spec: CacheSpec, model: Any) -> float | None:
+    """Bits per cached K/V element of the format alone (no full-precision sink / residual tokens),
+    averaged over keys, values and layers (``None`` for custom caches)."""
+    layers, _, head_dim = kv_geometry(model)
+    dtype_bits = torch.finfo(model.dtype).bits
+    if spec.kind == "custom":
+        return None
+    if spec.kind == "dynamic":
+        return float(dtype_bits)
+    if spec.kind == "hf":
+        if spec.backend == "fp8":
+            return 8.0
+        return spec.nbits + 2 * dtype_bits / PEER_GROUP_SIZE  # scale + shift in the model's dtype
+    bits = []
+    for i in range(layers):
+        c = spec.quant.for_layer(i, layers)
+        kg, vg = c.group_sizes(head_dim)
+        sb = torch.finfo(c.torch_scale_dtype).bits
+        static = c.static_scales is not None
+        bits.append(_kvquant_bits(c.key_format, kg, sb, static, dtype_bits))
+        bits.append(_kvquant_bits(c.value_format, vg, sb, static, dtype_bits))
+    return sum(bits) / len(bits)
+
+
+# ------------------------------------------------------------------------------------------ simulated
+
+
+def simulate_quantization(cache: Any) -> Any:
+    """Make ``cache.update`` return every key / value of the call quantize-dequantized, the call's own
+    tokens included, so that one forward pass sees K/V as the cache would store them.
+
+    KVQuantCache: the call's tokens go through a scratch full-attention layer of the same config
+    (sinks and the ``residual_length`` most recent tokens of the call stay full precision, as they would
+    be stored). transformers' QuantizedCache: its first update quantizes everything; the dequantized
+    store is returned. DynamicCache: unchanged. Meant for one forward call on an empty cache.
+    """
+    from transformers import DynamicCache
+
+    from kvquant import KVQuantCache
+    from kvquant.layer import QuantizedKVLayer
+
+    original: Callable = cache.update
+
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = original(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = cache.layers[layer_idx]
+        if isinstance(cache, KVQuantCache):
+            if not isinstance(layer, QuantizedKVLayer):
+                return k, v
+            scratch = QuantizedKVLayer(layer.config, sliding_window=None, static_scales=layer.static_scales)
+            scratch.lazy_initialization(key_states, value_states)
+            scratch.append(key_states, value_states, (kwargs.get("kwargs") or {}).get("position_ids"))
+            return scratch.read_history()
+        if getattr(layer, "_quantized_keys", None) is not None:
+            return layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values)
+        if isinstance(cache, DynamicCache):
+            return k, v
+        raise EvalError(f"simulated mode: no quantize-dequantize view for {type(cache).__name__}")
+
+    cache.update = update
+    return cache

@@ -1,0 +1,407 @@
+"""``run_eval``: every task for every cache config, written to one results folder per run.
+
+A run folder (``<output.dir>/<model>-<corpus>-<mode>-<hash>``; the hash covers the whole config
+except the list of caches, so adding caches to a finished run reuses its folder) holds:
+
+``config.yaml``            the resolved config, with the resolved settings of every cache
+``env.json``               package versions, git commit, device, threads
+``baseline_logprobs.pt``   the full-precision DynamicCache log-probs of the windows, computed once
+``results.jsonl``          one record per finished cache config, appended as each one finishes
+``results.json``           everything: config, model, corpus, env and all records
+``results.md``             the markdown table (also printed at the end)
+
+Resuming: a cache whose record (name + hash of its settings) is already in ``results.jsonl`` is
+skipped; an interrupted config is redone. Speed ratios are always taken against a DynamicCache
+whose runs are interleaved with the config's own (:func:`kvquant.eval.speed.measure_speed`).
+
+Example:
+    >>> from kvquant.eval import run_eval
+    >>> result = run_eval("smollm2-wikitext2", overrides={"caches": ["dynamic", "int4"]})
+    >>> print(result.table)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from kvquant.eval.caches import CacheSpec, fp16_bytes_per_token, kv_geometry, resolve_specs
+from kvquant.eval.config import EvalConfig, EvalError, load_config
+from kvquant.eval.corpus import load_corpus, make_windows, tokenize
+from kvquant.eval.decode import compare, simulated_logprobs, teacher_forced_logprobs
+from kvquant.eval.memory import measure_memory
+from kvquant.eval.report import environment, markdown_table
+from kvquant.eval.retrieval import passkey_accuracy
+from kvquant.eval.speed import measure_speed, with_ratios
+
+logger = logging.getLogger("kvquant.eval")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EvalResult:
+    run_dir: Path
+    records: list[dict[str, Any]]
+    table: str
+    skipped: list[str] = field(default_factory=list)  # cache names found finished in results.jsonl
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+
+def _label(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _load_model(cfg: EvalConfig) -> tuple[Any, Any]:
+    from transformers.utils import logging as hf_logging
+
+    from kvquant.models import load_model
+
+    device = cfg.model.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    bars = hf_logging.is_progress_bar_enabled()
+    if not cfg.progress:
+        hf_logging.disable_progress_bar()
+    try:
+        return load_model(
+            cfg.model.name,
+            dtype=_DTYPES[cfg.model.dtype],
+            device=device,
+            device_map=cfg.model.device_map,
+            attn_implementation=cfg.model.attn_implementation,
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise EvalError(f"model {cfg.model.name!r}: {_one_line(exc)}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _model_fingerprint(model: Any) -> str:
+    """Identity of a model object passed in (not loaded by name): config + a parameter checksum."""
+    h = hashlib.sha1(model.config.to_json_string().encode())
+    with torch.no_grad():
+        h.update(repr([round(float(p.double().sum()), 6) for p in model.parameters()]).encode())
+    return h.hexdigest()[:12]
+
+
+def _max_context(model: Any) -> int | None:
+    cfg = model.config.get_text_config(decoder=True)
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def _resolve_lengths(cfg: EvalConfig, limit: int | None) -> list[int]:
+    """Retrieval lengths with "max" replaced by the model's limit (minus the answer tokens)."""
+    answer = cfg.retrieval.digits + 2
+    out = []
+    for length in cfg.retrieval.lengths:
+        if length == "max":
+            if limit is None:
+                raise EvalError("retrieval.lengths: 'max' needs a model with max_position_embeddings")
+            length = limit - answer
+        out.append(length)
+    return out
+
+
+def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[int]) -> None:
+    if limit is None:
+        return
+    checks = []
+    if cfg.quality.enabled or cfg.memory.enabled:
+        checks.append(
+            ("quality.prefix_len + quality.score_len", cfg.quality.prefix_len + cfg.quality.score_len)
+        )
+    if cfg.retrieval.enabled:
+        answer = cfg.retrieval.digits + 2
+        checks += [
+            (f"retrieval.lengths ({length} + {answer} answer tokens)", length + answer)
+            for length in retrieval_lengths
+        ]
+    if cfg.speed.enabled:
+        d = cfg.speed.decode_tokens
+        checks += [(f"speed.context_lengths ({c} + {d} decoded)", c + d) for c in cfg.speed.context_lengths]
+    for what, n in checks:
+        if n > limit:
+            raise EvalError(
+                f"{what}: context of {n} tokens is beyond the model's limit of {limit} (max_position_embeddings)"
+            )
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    records = []
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by an interruption: that config is redone
+            logger.warning("results.jsonl: skipping an unreadable line")
+    return records
+
+
+def _append_record(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def run_eval(
+    config: EvalConfig | dict[str, Any] | str | Path | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    caches: list[CacheSpec] | None = None,
+) -> EvalResult:
+    """Evaluate every cache of ``config`` (see the module docstring); bad input raises :class:`EvalError`.
+
+    ``model`` / ``tokenizer``: objects to use instead of loading ``config.model.name`` (the tokenizer
+    needs ``encode(text, add_special_tokens=False)`` and ``decode(ids, skip_special_tokens=True)``).
+    ``caches``: extra specs (e.g. :meth:`CacheSpec.custom`) evaluated after those of the config.
+    """
+    cfg = load_config(config, overrides)
+    specs = resolve_specs(cfg.caches) + list(caches or [])
+    corpus = load_corpus(cfg.corpus)
+    if model is None:
+        model, tokenizer = _load_model(cfg)
+        model_label = (
+            "smollm2"
+            if cfg.model.name.lower() in ("smollm2", "default", "smollm2-135m-instruct")
+            else cfg.model.name
+        )
+        fingerprint = ""
+    else:
+        if tokenizer is None:
+            raise EvalError("run_eval: a model object needs its tokenizer (tokenizer=...)")
+        model_label, fingerprint = model.config.model_type, _model_fingerprint(model)
+    device = next(model.parameters()).device
+    limit = _max_context(model)
+    retrieval_lengths = _resolve_lengths(cfg, limit)
+    _check_limits(cfg, limit, retrieval_lengths)
+
+    ids = tokenize(tokenizer, corpus.text)
+    q = cfg.quality
+    windows = None
+    if cfg.quality.enabled or cfg.memory.enabled:
+        windows = make_windows(ids, q.prefix_len, q.score_len, q.windows, cfg.corpus.name)  # [W, P + D]
+    for spec in specs:  # fail on an unusable cache before any slow work
+        try:
+            spec.build(model)
+        except (ValueError, ImportError) as exc:
+            raise EvalError(f"cache {spec.name!r}: {_one_line(exc)}") from None
+
+    corpus_label = (
+        cfg.corpus.name if cfg.corpus.name in ("embedded", "wikitext2") else Path(cfg.corpus.name).stem
+    )
+    identity = cfg.identity_hash(fingerprint)
+    name = cfg.output.name or _label(f"{Path(model_label).name}-{corpus_label}-{q.mode}-{identity}")
+    run_dir = Path(cfg.output.dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stamp = run_dir / "run.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("identity") != identity:
+        raise EvalError(
+            f"output: {str(run_dir)!r} holds a run of another configuration; choose another output.name"
+        )
+    _write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    (run_dir / "config.yaml").write_text(
+        yaml.safe_dump(
+            {**cfg.to_dict(), "resolved_caches": {s.name: s.settings for s in specs}}, sort_keys=False
+        )
+    )
+    env = environment(device)
+    _write_json(run_dir / "env.json", env)
+
+    layers, kv_heads, head_dim = kv_geometry(model)
+    run_info = {
+        "run": name,
+        "identity": identity,
+        "model": {
+            "name": cfg.model.name if not fingerprint else f"{model_label} (object {fingerprint})",
+            "class": type(model).__name__,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(device),
+            "max_position_embeddings": limit,
+            "layers": layers,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "fp16_bytes_per_token": fp16_bytes_per_token(model),
+        },
+        "corpus": {**corpus.info, "tokens": ids.numel()},
+        "windows": {"count": q.windows, "prefix_len": q.prefix_len, "score_len": q.score_len},
+        "retrieval_lengths": retrieval_lengths,
+    }
+    bar = partial(_tqdm, enabled=cfg.progress)
+    ctx = _Context(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar)
+
+    jsonl = run_dir / "results.jsonl"
+    done = {r["key"]: r for r in _read_records(jsonl)}
+    skipped = [s.name for s in specs if s.key in done]
+    for s in skipped:
+        logger.info("%s: finished in an earlier run, skipped", s)
+    for spec in bar([s for s in specs if s.key not in done], desc="caches"):
+        record = ctx.evaluate(spec)
+        _append_record(jsonl, record)
+        done[spec.key] = record
+        logger.info("%s: done in %.1f s", spec.name, record["seconds"])
+
+    order = [s.key for s in specs]
+    records = [done[k] for k in order] + [r for k, r in done.items() if k not in order]
+    table = markdown_table(records)
+    _write_json(
+        run_dir / "results.json", {**run_info, "config": cfg.to_dict(), "env": env, "records": records}
+    )
+    (run_dir / "results.md").write_text(table + "\n")
+    return EvalResult(run_dir, records, table, skipped)
+
+
+def _tqdm(iterable, *, enabled: bool, **kwargs):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, dynamic_ncols=True, **kwargs)
+
+
+class _Context:
+    """What every cache's evaluation shares: model, tokenizer, windows, the baseline."""
+
+    def __init__(self, cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar):
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.windows, self.ids, self.retrieval_lengths = windows, ids, retrieval_lengths
+        self.run_dir, self.bar = run_dir, bar
+        self.session = uuid.uuid4().hex[:12]
+        self._baseline: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------------------------- quality
+
+    def logprobs(self, spec: CacheSpec) -> torch.Tensor:
+        """``[W, D, V]`` log-probs of the scored tokens of every window through ``spec``."""
+        q, out = self.cfg.quality, []
+        for i, window in enumerate(self.windows):
+            if q.mode == "decode":
+                steps = partial(self.bar, desc=f"{spec.name} window {i}", leave=False)
+                out.append(
+                    teacher_forced_logprobs(
+                        self.model, window[None], q.prefix_len, spec.build(self.model), progress=steps
+                    )
+                )
+            else:
+                out.append(simulated_logprobs(self.model, window[None], q.prefix_len, spec.build(self.model)))
+        return torch.cat(out)
+
+    def baseline(self) -> torch.Tensor:
+        if self._baseline is not None:
+            return self._baseline
+        path = self.run_dir / "baseline_logprobs.pt"
+        tokens_sha = hashlib.sha1(self.windows.numpy().tobytes()).hexdigest()
+        if path.is_file():
+            saved = torch.load(path, weights_only=True)
+            if saved.get("tokens_sha") == tokens_sha and saved.get("mode") == self.cfg.quality.mode:
+                self._baseline = saved["logprobs"]
+                logger.info("baseline: reusing %s", path)
+                return self._baseline
+        self._baseline = self.logprobs(resolve_specs(["dynamic"])[0])
+        torch.save(
+            {"logprobs": self._baseline, "tokens_sha": tokens_sha, "mode": self.cfg.quality.mode}, path
+        )
+        return self._baseline
+
+    def quality(self, spec: CacheSpec) -> dict[str, Any]:
+        q = self.cfg.quality
+        base = self.baseline()
+        test = base if spec.kind == "dynamic" else self.logprobs(spec)
+        out = compare(base, test, self.windows[:, q.prefix_len :])
+        return {
+            **out,
+            "mode": q.mode,
+            "windows": q.windows,
+            "prefix_len": q.prefix_len,
+            "score_len": q.score_len,
+        }
+
+    # ---------------------------------------------------------------------------------- speed
+
+    def speed(self, spec: CacheSpec) -> dict[str, Any]:
+        """Speed of ``spec``, its runs interleaved with a DynamicCache's (the reference, same process)."""
+        s = self.cfg.speed
+        builds = {"dynamic": lambda: resolve_specs(["dynamic"])[0].build(self.model)}
+        if spec.kind != "dynamic":
+            builds["test"] = lambda: spec.build(self.model)
+        rows = measure_speed(
+            self.model,
+            builds,
+            self.ids,
+            context_lengths=s.context_lengths,
+            batch_sizes=s.batch_sizes,
+            decode_tokens=s.decode_tokens,
+            warmup=s.warmup,
+            repeats=s.repeats,
+            progress=self.bar,
+        )
+        own = rows["test"] if spec.kind != "dynamic" else rows["dynamic"]
+        return {
+            "rows": with_ratios(own, rows["dynamic"]),
+            "reference_rows": rows["dynamic"],
+            "reference": "DynamicCache, runs interleaved with this cache's in the same process",
+        }
+
+    # ---------------------------------------------------------------------------------- all
+
+    def evaluate(self, spec: CacheSpec) -> dict[str, Any]:
+        cfg = self.cfg
+        start = time.perf_counter()
+        record: dict[str, Any] = {
+            "cache": spec.name,
+            "key": spec.key,
+            "kind": spec.kind,
+            "settings": spec.settings,
+            "session": self.session,
+        }
+        if cfg.quality.enabled:
+            record["quality"] = self.quality(spec)
+        if cfg.memory.enabled:
+            record["memory"] = measure_memory(self.model, spec, self.windows[0], cfg.quality.prefix_len)
+        if cfg.speed.enabled:
+            record["speed"] = self.speed(spec)
+        if cfg.retrieval.enabled:
+            record["retrieval"] = passkey_accuracy(
+                self.model,
+                self.tokenizer,
+                lambda: spec.build(self.model),
+                lengths=self.retrieval_lengths,
+                trials=cfg.retrieval.trials,
+                digits=cfg.retrieval.digits,
+                seed=cfg.seed,
+                progress=self.bar,
+            )
+        record["seconds"] = time.perf_counter() - start
+        return record
