@@ -1,0 +1,106 @@
+"""Small pieces shared by the kernels: Triton helpers (rounding, fp8 encoding) and launch-side constants.
+
+Rounding is done with integer and floor arithmetic rather than casts wherever the result must be
+bit-identical to :mod:`kvquant.formats` on every backend: Triton's interpreter casts fp32 -> fp8 and
+fp32 -> bf16 by truncation (not round-to-nearest-even) and cannot be trusted for codes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from kvquant.formats import format_spec
+
+# Whether the @triton.jit decorators below ran in interpreter mode (Triton reads TRITON_INTERPRET
+# when a function is decorated, i.e. when this package is imported).
+try:
+    from triton import knobs
+
+    INTERPRET = bool(knobs.runtime.interpret)
+except ImportError:  # pragma: no cover - triton < 3.4
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# format name -> (kind code, bits, qmax); kind: 0 none, 1 int_sym, 2 int_asym, 3 float
+_KIND = {"passthrough": 0, "int_sym": 1, "int_asym": 2, "float": 3}
+# fp8 layouts: (mantissa bits, exponent bias)
+FP8_LAYOUT = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}
+SCALE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def fmt_constants(fmt: str) -> tuple[int, int, float, int, int]:
+    """``(KIND, BITS, QMAX, MANT, BIAS)`` constexprs of a format (fp8 layout zeros for the others)."""
+    spec = format_spec(fmt)
+    mant, bias = FP8_LAYOUT.get(fmt, (0, 0))
+    bits = spec.bits if spec.kind != "passthrough" else 16
+    qmax = spec.qmax if spec.kind != "passthrough" else 0.0
+    return _KIND[spec.kind], bits, float(qmax), mant, bias
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@triton.jit
+def rint(x):
+    """Round half to even (``torch.round``) for fp32 ``|x| < 2**22``, with floor arithmetic only."""
+    fl = tl.floor(x)
+    d = x - fl  # exact
+    odd = (fl.to(tl.int32) & 1) == 1
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return fl + up.to(tl.float32)
+
+
+@triton.jit
+def round_to_scale_dtype(x, SCALE_KIND: tl.constexpr, UP: tl.constexpr):
+    """fp32 ``x`` rounded to the scale dtype up (``UP``) or down, returned as fp32 (exact in that dtype).
+
+    ``formats.round_to_dtype``: cast, then step one ulp outward if the cast went the wrong way. Any
+    cast that lands on one of the two neighbours works (RNE on GPU, truncation in the interpreter).
+    """
+    if SCALE_KIND == 0:
+        r = x
+    else:
+        if SCALE_KIND == 1:
+            y = x.to(tl.float16)
+        else:
+            y = x.to(tl.bfloat16)
+        yf = y.to(tl.float32)
+        if UP:
+            wrong = yf < x
+        else:
+            wrong = yf > x
+        bits = y.to(tl.int16, bitcast=True).to(tl.int32)
+        neg = bits < 0
+        if UP:
+            step = tl.where(neg, -1, 1)
+        else:
+            step = tl.where(neg, 1, -1)
+        bits = (bits + tl.where(wrong, step, 0)).to(tl.int16)
+        if SCALE_KIND == 1:
+            r = bits.to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            r = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return r
+
+
+@triton.jit
+def fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """Bits (int32 in [0, 255]) of fp32 ``y`` cast to fp8 with ``MANT`` mantissa bits, round to nearest even.
+
+    ``y`` must be finite with ``|y|`` at most the format's largest finite value (the quantizer clamps
+    first), so there is no overflow / NaN handling. Matches ``torch.Tensor.to(torch.float8_*)``.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a_bits = bits & 0x7FFFFFFF
+    # normal range: drop 23 - MANT mantissa bits, ties to even (a carry moves into the exponent)
+    lsb = (a_bits >> (23 - MANT)) & 1
+    mag_n = ((a_bits + ((1 << (22 - MANT)) - 1) + lsb) >> (23 - MANT)) - ((127 - BIAS) << MANT)
+    # subnormal range: multiples of 2**(1 - BIAS - MANT); exact power-of-two scaling, then rint
+    a_s = tl.abs(y) * (1 << (BIAS - 1 + MANT))
+    mag_s = rint(tl.minimum(a_s, 1 << MANT)).to(tl.int32)  # clamped: no int overflow where unused
+    mag = tl.where(a_s < (1 << MANT), mag_s, mag_n)
+    return (sign << 7) | mag

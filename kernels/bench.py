@@ -1,0 +1,291 @@
+"""GPU benchmark of one decode step's attention: the fused quantized kernel against fp16 baselines.
+
+    python -m kvquant.kernels.bench --out results/bench_decode
+
+For every (batch, context) shape (32 query / 8 KV heads, head_dim 128 by default) it times, with
+``triton.testing.do_bench_cudagraph`` (CUDA-graph replays, no launch overhead):
+
+- ``sdpa-fp16``: ``torch.nn.functional.scaled_dot_product_attention`` with one query token over the
+  full fp16 KV (GQA through ``enable_gqa``, or ``repeat_interleave`` on older torch),
+- ``flash-attn-fp16`` / ``flashinfer-fp16`` when those packages import,
+- ``ours-none``: our kernel on the pass-through format (a second fp16 baseline, same code path),
+- ``ours-<fmt>``: our kernel for every quantized format (per-head token scales), plus
+  ``ours-int4-kivi`` (keys per channel in blocks of 128 tokens, values per token).
+
+Reported per row: µs per step, effective GB/s (bytes that must be read: codes + scales + zero
+points, or the fp16 K/V, plus q and out), that bandwidth as % of a device-to-device copy measured
+in the same run, and the speed-up against both fp16 baselines. Shapes whose tensors do not fit in
+free memory are skipped. Writes ``bench.json`` (with versions and device) and ``bench.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FORMATS = ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second), in GB/s."""
+    from triton.testing import do_bench_cudagraph
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench_cudagraph(lambda: dst.copy_(src), rep=100)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _store(x: torch.Tensor, fmt: str, group: int, axis: str, scale_dtype=torch.float16):
+    """Quantize ``x[B, H, T, D]`` into TokenStore buffers with our kernel; returns (codes, scale, zero)."""
+    from kvquant.kernels import quantize_append
+    from kvquant.store import TokenStore
+
+    b, h, t, d = x.shape
+    s = TokenStore(fmt, group, axis, scale_dtype)
+    s.allocate(b, h, d, t, x.dtype, x.device)
+    step = 8192  # bounded temporaries
+    for i in range(0, t, step):
+        quantize_append(x[:, :, i : i + step], s.codes, s.scale, s.zero, i, fmt, group, axis)
+    return s.codes, s.scale, s.zero
+
+
+def _baselines(q, k, v, scaling):
+    """fp16 baselines: name -> zero-arg callable (or a string: why it is skipped)."""
+    import torch.nn.functional as F
+
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    q4 = q[:, :, None, :]  # [B, Hq, 1, D]
+    out = {}
+    try:
+        F.scaled_dot_product_attention(q4, k[:, :, :1], v[:, :, :1], scale=scaling, enable_gqa=True)
+        out["sdpa-fp16"] = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scaling, enable_gqa=True)
+    except (TypeError, RuntimeError):  # no enable_gqa: repeat the KV heads (costs memory, not timed)
+        kr = k.repeat_interleave(hq // hkv, dim=1)
+        vr = v.repeat_interleave(hq // hkv, dim=1)
+        out["sdpa-fp16"] = lambda: F.scaled_dot_product_attention(q4, kr, vr, scale=scaling)
+    try:
+        from flash_attn import flash_attn_with_kvcache
+
+        kc, vc = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, T, Hkv, D]
+        qf = q[:, None]  # [B, 1, Hq, D]
+        seqlens = torch.full((b,), k.shape[2], dtype=torch.int32, device=q.device)
+        out["flash-attn-fp16"] = lambda: flash_attn_with_kvcache(
+            qf, kc, vc, cache_seqlens=seqlens, softmax_scale=scaling
+        )
+    except Exception as e:  # optional baseline: any failure is reported
+        out["flash-attn-fp16"] = f"skipped: {type(e).__name__}: {e}"[:200]
+    try:
+        import flashinfer
+
+        page = 16
+        t = k.shape[2]
+        pages = t // page
+        kc = k.transpose(1, 2).reshape(b * pages, page, hkv, d).contiguous()  # NHD pages
+        vc = v.transpose(1, 2).reshape(b * pages, page, hkv, d).contiguous()
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device) * pages
+        indices = torch.arange(b * pages, dtype=torch.int32, device=q.device)
+        last = torch.full((b,), page, dtype=torch.int32, device=q.device)
+        args = (indptr, indices, last, hq, hkv, d, page)
+        try:
+            wrapper.plan(*args, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scaling)
+        except TypeError:  # older flashinfer: `data_type`
+            wrapper.plan(*args, q_data_type=q.dtype, data_type=k.dtype, sm_scale=scaling)
+        out["flashinfer-fp16"] = lambda: wrapper.run(q, (kc, vc))
+    except Exception as e:  # optional baseline: any failure is reported
+        out["flashinfer-fp16"] = f"skipped: {type(e).__name__}: {e}"[:200]
+    return out
+
+
+def bench_shape(b: int, t: int, hq: int, hkv: int, d: int, rep: int, copy_gbs: float) -> list[dict]:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from kvquant.kernels import quantized_decode_attention
+
+    scaling = d**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.float16, generator=gen)
+    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.float16, generator=gen)
+    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.float16, generator=gen)
+    start = torch.zeros(b, dtype=torch.long, device="cuda")
+    io_bytes = _nbytes(q) + b * hq * d * 4  # q in, fp32 out
+    rows: list[dict] = []
+
+    def record(name, fn, nbytes, note=""):
+        if isinstance(fn, str):
+            rows.append(dict(batch=b, context=t, impl=name, us=None, note=fn))
+            return
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # report it, keep going
+            rows.append(
+                dict(batch=b, context=t, impl=name, us=None, note=f"failed: {type(e).__name__}: {e}"[:200])
+            )
+            return
+        try:
+            ms = do_bench_cudagraph(fn, rep=rep)
+        except Exception as e:  # not capturable: time eager launches instead, and say so
+            torch.cuda.synchronize()
+            ms = do_bench(fn, rep=rep)
+            note = f"eager do_bench (graph capture failed: {type(e).__name__})"
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append(
+            dict(
+                batch=b,
+                context=t,
+                impl=name,
+                us=ms * 1e3,
+                bytes=nbytes,
+                gbs=gbs,
+                pct_copy=100 * gbs / copy_gbs,
+                note=note,
+            )
+        )
+
+    fp16_bytes = _nbytes(k, v) + io_bytes
+    for name, fn in _baselines(q, k, v, scaling).items():
+        record(name, fn, fp16_bytes)
+        torch.cuda.empty_cache()
+
+    out = torch.empty(b, hq, d, dtype=torch.float32, device="cuda")
+    lse = torch.empty(b, hq, dtype=torch.float32, device="cuda")
+    configs = [("none", "none", "token", None)] + [(f, f, "token", None) for f in FORMATS]
+    configs.append(("int4-kivi", "int4", "channel", 128))
+    for label, fmt, axis, kg in configs:
+        if fmt == "none":
+            kst, vst = (k, None, None), (v, None, None)
+        else:
+            kst = _store(k, fmt, kg or d, axis)
+            vst = _store(v, fmt, d, "token")
+        kw = dict(
+            k_fmt=fmt, v_fmt=fmt, k_group=kg, v_group=None, k_axis=axis, start=start, end=t, scaling=scaling
+        )
+
+        def fn(kst=kst, vst=vst, kw=kw):
+            return quantized_decode_attention(q, *kst, *vst, out=out, lse=lse, **kw)
+
+        record(f"ours-{label}", fn, _nbytes(*kst, *vst) + io_bytes)
+        del kst, vst
+        torch.cuda.empty_cache()
+
+    by = {r["impl"]: r["us"] for r in rows}
+    for r in rows:
+        for base in ("sdpa-fp16", "ours-none"):
+            r[f"speedup_vs_{base}"] = by[base] / r["us"] if r["us"] and by.get(base) else None
+    return rows
+
+
+def _fits(b: int, t: int, hq: int, hkv: int, d: int) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    fp16_kv = 2 * b * hkv * t * d * 2
+    # K/V + one layout copy for flash-attn / flashinfer + the largest store (int8, ~half) + slack
+    return 2.8 * fp16_kv + (2 << 30) < free
+
+
+def to_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"# Decode attention: {meta['device']}",
+        "",
+        f"Hq={meta['hq']}, Hkv={meta['hkv']}, head_dim={meta['d']}, fp16 model dtype; one query token per row. "
+        f"Device-to-device copy: {meta['copy_gbs']:.0f} GB/s (read + write). Times: "
+        "`triton.testing.do_bench_cudagraph`.",
+        "",
+        "| batch | context | impl | µs/step | GB/s | % copy BW | × vs sdpa-fp16 | × vs ours-none | note |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+
+    def f(x, fmt):
+        return "" if x is None else format(x, fmt)
+
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['impl']} | {f(r.get('us'), '.1f')} | {f(r.get('gbs'), '.0f')} | "
+            f"{f(r.get('pct_copy'), '.0f')} | {f(r.get('speedup_vs_sdpa-fp16'), '.2f')} | "
+            f"{f(r.get('speedup_vs_ours-none'), '.2f')} | {r.get('note', '')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="output folder (bench.json, bench.md)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rep", type=int, default=50, help="ms of graph replays per measurement")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kvquant.kernels.bench: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    import triton
+
+    t0 = time.time()
+    hq, hkv, d = args.q_heads, args.kv_heads, args.head_dim
+    copy_gbs = copy_bandwidth_gbs()
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        copy_gbs=copy_gbs,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+        git_commit=_git_commit(),
+    )
+    rows: list[dict] = []
+    for b in args.batches:
+        for t in args.contexts:
+            if not _fits(b, t, hq, hkv, d):
+                rows.append(
+                    dict(batch=b, context=t, impl="*", us=None, note="skipped: does not fit in free memory")
+                )
+                print(f"batch {b} context {t}: skipped (memory)", flush=True)
+                continue
+            rows += bench_shape(b, t, hq, hkv, d, args.rep, copy_gbs)
+            torch.cuda.empty_cache()
+            print(f"batch {b} context {t}: done ({time.time() - t0:.0f}s)", flush=True)
+    meta["seconds"] = time.time() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    clean = [
+        {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+        for r in rows
+    ]
+    (args.out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=clean), indent=1))
+    (args.out / "bench.md").write_text(to_markdown(rows, meta))
+    print(to_markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Quantize new tokens straight into a store's buffers: ``quantize_append``.
+
+One program quantizes ``BT`` tokens of one (batch, head): it loads ``x`` as ``[BT, D]``, reduces each
+scale group (``G`` channels of a token, or ``G`` tokens of a channel on the channel axis), rounds the
+scale / zero point outward to the scale dtype, encodes, packs int4 / int2 planar (byte ``j`` holds
+channels ``j, j + W, ...`` with ``W = D * bits / 8``) and stores codes, scales and zero points at
+buffer index ``index``. Bit-identical to :func:`kvquant.formats.quantize` (see ``rint`` /
+``fp8_bits`` in ``_common``); the plain-torch twin is :func:`kvquant.kernels.reference.quantize_append_ref`.
+
+Restrictions of the kernel: ``D`` and ``G`` powers of two (other shapes fall back to the reference,
+with a warning). Non-finite inputs, or scales the scale dtype cannot hold, are not detected here
+(the scale becomes ``inf``; checking would cost a device sync per step), whereas
+:func:`kvquant.formats.quantize` raises ``ValueError`` for them.
+
+Exactness: divisions use ``tl.div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs),
+rounding is half-to-even by floor arithmetic (``torch.round``), and fp8 codes are encoded from the
+fp32 bits with integer arithmetic (Triton's interpreter casts fp32 -> fp8 without correct rounding);
+so codes match ``formats.quantize`` bit for bit, exact ``.5`` ties included.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from kvquant.formats import format_spec
+from kvquant.kernels._common import SCALE_KIND, fmt_constants, fp8_bits, is_pow2, rint, round_to_scale_dtype
+from kvquant.kernels.reference import check_append, quantize_append_ref, resolve_static
+
+
+@triton.jit
+def quantize_append_kernel(
+    p_x,
+    p_codes,
+    p_scale,
+    p_zero,
+    n,
+    index,
+    H,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    stride_cw,
+    stride_sb,
+    stride_sh,
+    stride_sr,
+    stride_sg,
+    stride_zb,
+    stride_zh,
+    stride_zr,
+    stride_zg,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BT: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    SCALE_KIND: tl.constexpr,
+    STATIC: tl.constexpr,
+):
+    i_bh, i_t = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NG: tl.constexpr = D // G
+    PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
+    W: tl.constexpr = D // PB
+
+    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # [BT]
+    o_d = tl.arange(0, D)  # [D]
+    m_t = o_t < n
+    p_x = p_x + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
+    b_x = tl.load(p_x + o_t[:, None] * stride_xt + o_d[None, :] * stride_xd, mask=m_t[:, None], other=0.0)
+    b_x = b_x.to(tl.float32)  # [BT, D]
+
+    # ---- statistics per scale group -> b_s (and b_z), broadcastable against b_xg
+    if CHANNEL:
+        b_xg = b_x  # [BT = G, D]: one group per channel
+    else:
+        b_xg = tl.reshape(b_x, (BT, NG, G))  # [BT, NG, G]
+    if STATIC:
+        b_s = tl.load(p_scale + i_h.to(tl.int64) * stride_sh).to(tl.float32)  # scalar per head
+    elif KIND == 2:  # int_asym: zero point rounded down, scale up
+        if CHANNEL:
+            b_mn = tl.min(b_xg, axis=0)[None, :]  # [1, D]
+            b_mx = tl.max(b_xg, axis=0)[None, :]
+        else:
+            b_mn = tl.min(b_xg, axis=2)[:, :, None]  # [BT, NG, 1]
+            b_mx = tl.max(b_xg, axis=2)[:, :, None]
+        b_z = round_to_scale_dtype(b_mn, SCALE_KIND, False)
+        b_raw = tl.div_rn(b_mx - b_z, QMAX)
+        b_s = round_to_scale_dtype(tl.where(b_raw == 0.0, 1.0, b_raw), SCALE_KIND, True)
+    else:
+        if CHANNEL:
+            b_amax = tl.max(tl.abs(b_xg), axis=0)[None, :]  # [1, D]
+        else:
+            b_amax = tl.max(tl.abs(b_xg), axis=2)[:, :, None]  # [BT, NG, 1]
+        b_raw = tl.div_rn(b_amax, QMAX)
+        b_s = round_to_scale_dtype(tl.where(b_raw == 0.0, 1.0, b_raw), SCALE_KIND, True)
+
+    # ---- codes
+    if KIND == 2:
+        b_y = tl.minimum(tl.maximum(tl.div_rn(b_xg - b_z, b_s), 0.0), QMAX)
+        b_q = rint(b_y).to(tl.int32)
+    else:
+        b_y = tl.minimum(tl.maximum(tl.div_rn(b_xg, b_s), -QMAX), QMAX)
+        if KIND == 1:
+            b_q = rint(b_y).to(tl.int32)
+        else:
+            b_q = fp8_bits(b_y, MANT, BIAS)
+    b_q = tl.reshape(b_q, (BT, D))  # [BT, D] channel order
+    if PB > 1:  # planar packing: byte j <- channels j + k * W in bit field k
+        b_q = tl.reshape(b_q, (BT, PB, W))  # [BT, PB, W]
+        o_k = tl.arange(0, PB)
+        b_q = tl.sum(b_q << (o_k * BITS)[None, :, None], axis=1)  # [BT, W]
+    o_w = tl.arange(0, W)
+    p_c = p_codes + i_b.to(tl.int64) * stride_cb + i_h.to(tl.int64) * stride_ch
+    p_c = p_c + (index + o_t)[:, None] * stride_ct + o_w[None, :] * stride_cw
+    tl.store(p_c, b_q.to(p_codes.dtype.element_ty), mask=m_t[:, None])
+
+    # ---- scales / zero points
+    if not STATIC:
+        p_s = p_scale + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh
+        if CHANNEL:
+            r = (index + i_t * BT) // G
+            tl.store(
+                p_s + r * stride_sr + o_d * stride_sg, tl.reshape(b_s, (D,)).to(p_scale.dtype.element_ty)
+            )
+        else:
+            o_g = tl.arange(0, NG)
+            p_s = p_s + (index + o_t)[:, None] * stride_sr + o_g[None, :] * stride_sg
+            tl.store(p_s, tl.reshape(b_s, (BT, NG)).to(p_scale.dtype.element_ty), mask=m_t[:, None])
+        if KIND == 2:
+            p_z = p_zero + i_b.to(tl.int64) * stride_zb + i_h.to(tl.int64) * stride_zh
+            if CHANNEL:
+                r = (index + i_t * BT) // G
+                tl.store(
+                    p_z + r * stride_zr + o_d * stride_zg, tl.reshape(b_z, (D,)).to(p_zero.dtype.element_ty)
+                )
+            else:
+                o_g = tl.arange(0, NG)
+                p_z = p_z + (index + o_t)[:, None] * stride_zr + o_g[None, :] * stride_zg
+                tl.store(p_z, tl.reshape(b_z, (BT, NG)).to(p_zero.dtype.element_ty), mask=m_t[:, None])
+
+
+def _strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0) if t is None else tuple(t.stride())
+
+
+def quantize_append(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    index: int,
+    fmt: str,
+    group_size: int | None,
+    axis: str = "token",
+    *,
+    static_scale: bool | None = None,
+) -> None:
+    """Quantize ``x[B, H, n, D]`` into the store buffers at buffer index ``index``, in place (Triton).
+
+    Same contract and results as :func:`kvquant.kernels.reference.quantize_append_ref`: codes,
+    scales and zero points bit-identical to :func:`kvquant.formats.quantize`. ``x`` fp16 / bf16 / fp32;
+    ``D`` and the group size powers of two (else the reference runs).
+    """
+    g, _ = check_append(x, codes, scale, zero, index, fmt, group_size, axis)
+    b, h, n, d = x.shape
+    spec = format_spec(fmt)
+    if spec.kind == "passthrough":
+        codes[:, :, index : index + n].copy_(x)
+        return
+    if n == 0 or b * h == 0:
+        return
+    if not (is_pow2(d) and is_pow2(g)):
+        warnings.warn(
+            f"quantize_append: head_dim {d} / group_size {g} not powers of two; using the torch reference",
+            stacklevel=2,
+        )
+        quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
+        return
+    static = resolve_static(scale, zero, codes, axis, static_scale)
+    if static and spec.kind == "int_asym":
+        raise ValueError(f"static_scale: only int8 and fp8 formats take static scales, not {fmt}")
+    kind, bits, qmax, mant, bias = fmt_constants(fmt)
+    scale_kind = SCALE_KIND[str(scale.dtype).removeprefix("torch.")]
+    if axis == "channel":
+        bt = g
+    else:
+        bt = min(triton.next_power_of_2(n), max(1, 4096 // d))
+    c = codes.view(torch.uint8) if spec.kind == "float" else codes  # fp8 codes are written as their bits
+    grid = (b * h, triton.cdiv(n, bt))
+    quantize_append_kernel[grid](
+        x,
+        c,
+        scale,
+        zero if zero is not None else scale,
+        n,
+        index,
+        h,
+        *x.stride(),
+        *c.stride(),
+        *_strides(scale),
+        *_strides(zero),
+        D=d,
+        G=g,
+        BT=bt,
+        CHANNEL=axis == "channel",
+        KIND=kind,
+        BITS=bits,
+        QMAX=qmax,
+        MANT=mant,
+        BIAS=bias,
+        SCALE_KIND=scale_kind,
+        STATIC=static,
+    )
