@@ -26,13 +26,18 @@ def _code_planes(codes: torch.Tensor, fmt: str) -> list[torch.Tensor]:
     """Codes ``[B, H, c, W]`` -> float32 planes whose concatenation along the last dim is the head.
 
     Packed formats come back as their planar pieces (int4: channels ``[0, D/2)`` and ``[D/2, D)``),
-    so no concatenated copy is made; each piece is widened to float exactly once.
+    each extracted from 32-bit words with one shift and mask and widened to float once; no
+    concatenated copy is made.
     """
     spec = format_spec(fmt)
     if spec.kind != "int_asym":
         return [codes.float()]
     w = codes.shape[-1]
-    planes = unpack_codes(codes, spec.bits)  # [B, H, c, D] uint8 (one cheap pass over bytes)
+    if w % 4 == 0 and codes.stride(-1) == 1 and codes.storage_offset() % 4 == 0:
+        words = codes.view(torch.int32)  # [B, H, c, W / 4]
+        mask = int.from_bytes(bytes([(1 << spec.bits) - 1]) * 4, "little")
+        return [((words >> (k * spec.bits)) & mask).view(torch.uint8).float() for k in range(spec.per_byte)]
+    planes = unpack_codes(codes, spec.bits)
     return [planes[..., k * w : (k + 1) * w].float() for k in range(spec.per_byte)]
 
 
@@ -166,6 +171,7 @@ def decode_attention_torch(
     lo = lo // block * block
     chunk = max(block, chunk // block * block)
     start = start.to(q.device)
+    start_max = int(start.max()) if start.numel() else end
     # one scale per (token, head): work plane by plane, no unpacked copy of the chunk
     k_fast = k_axis == "token" and (k_scale is None or k_scale.shape[-1] == 1)
     v_fast = v_scale is None or v_scale.shape[-1] == 1
@@ -181,9 +187,10 @@ def decode_attention_torch(
         scores = scores * scaling  # [B, Hkv, G, c]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        pos = torch.arange(c0, c1, device=q.device)
-        valid = (pos[None, :] >= start[:, None])[:, None, None, :]  # [B, 1, 1, c]
-        scores = scores.masked_fill(~valid, float("-inf"))
+        if start_max > c0:  # some row starts inside this chunk (left padding, sinks, windows)
+            pos = torch.arange(c0, c1, device=q.device)
+            valid = (pos[None, :] >= start[:, None])[:, None, None, :]  # [B, 1, 1, c]
+            scores = scores.masked_fill(~valid, float("-inf"))
         m_new = torch.maximum(m, scores.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(scores - m_safe[..., None])

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.config import KVQuantConfig
+from kvquant.formats import QuantizedBlock
 from kvquant.rotation import rotate, unrotate
 from kvquant.store import TokenStore
 
@@ -208,8 +209,22 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.config.rotation == "hadamard":
             k, v = rotate(k), rotate(v)
         index = self.store_end - self.base
-        self.k_store.write(index, self.k_store.quantize(k))
-        self.v_store.write(index, self.v_store.quantize(v))
+        ks, vs = self.k_store, self.v_store
+        same = (ks.fmt, ks.group_size, ks.axis, ks.static_scale) == (vs.fmt, vs.group_size, vs.axis, None)
+        if same and ks.static_scale is None and k.shape == v.shape:  # one quantize call for K and V
+            both = ks.quantize(torch.cat([k, v], dim=0))
+            b = k.shape[0]
+            ks.write(
+                index,
+                QuantizedBlock(*(None if t is None else t[:b] for t in (both.codes, both.scale, both.zero))),
+            )
+            vs.write(
+                index,
+                QuantizedBlock(*(None if t is None else t[b:] for t in (both.codes, both.scale, both.zero))),
+            )
+        else:
+            ks.write(index, ks.quantize(k))
+            vs.write(index, vs.quantize(v))
         self.store_end += n
 
     def _reserve(self, end_position: int) -> None:
