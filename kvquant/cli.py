@@ -206,6 +206,39 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvquant.calibrate import calibrate_static_scales
+    from kvquant.config import KVQuantConfig
+    from kvquant.eval.config import CorpusSection
+    from kvquant.eval.corpus import load_corpus, tokenize
+    from kvquant.models import load_model
+
+    try:
+        cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
+        corpus = load_corpus(CorpusSection(name=args.corpus))
+        model, tok = load_model(args.model)
+        ids = tokenize(tok, corpus.text)[None, : args.tokens]  # [1, N]
+        scales = calibrate_static_scales(model, ids, cfg, args.out, margin=args.margin)
+    except Exception as exc:  # one line, exit 2: bad input, not a traceback
+        print(f"kvquant calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: keys {tuple(scales['keys'].shape)}, values {tuple(scales['values'].shape)} "
+          f"from {ids.shape[1]} tokens; use it as `static_scales: {args.out}` with key/value_format {args.format}")
+    return 0
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="static per-(layer, head) int8 / fp8 scales from calibration text")
+    p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
+    p.add_argument("--corpus", default="embedded", help="'embedded', 'wikitext2' or a local .txt/.jsonl file")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--rotation", default="none", choices=["none", "hadamard"])
+    p.add_argument("--margin", type=float, default=1.0)
+    p.add_argument("--out", required=True, help="output file (.pt)")
+    p.set_defaults(func=_cmd_calibrate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
@@ -215,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_eval(sub)
     _add_bench(sub)
+    _add_calibrate(sub)
     return parser
 
 

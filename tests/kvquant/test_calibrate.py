@@ -1,0 +1,60 @@
+"""Static scales: calibrated per (layer, head), then codes carry no per-token scales."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvquant import KVQuantCache, KVQuantConfig
+from kvquant.calibrate import calibrate_static_scales
+from kvquant.models import tiny_model
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_static_scales_round_trip_and_save_bytes(tmp_path, fmt, rotation):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 120, (1, 64), generator=torch.Generator().manual_seed(0))
+    cfg = KVQuantConfig(key_format=fmt, value_format=fmt, rotation=rotation)
+    path = tmp_path / "scales.pt"
+    scales = calibrate_static_scales(model, ids, cfg, path, window=64)
+    n_layers, n_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert scales["keys"].shape == (n_layers, n_heads) and (scales["keys"] > 0).all()
+
+    static = KVQuantCache(
+        model.config,
+        KVQuantConfig(key_format=fmt, value_format=fmt, rotation=rotation, static_scales=str(path)),
+    )
+    dynamic = KVQuantCache(model.config, cfg)
+    with torch.no_grad():
+        for cache in (static, dynamic):
+            model(input_ids=ids[:, :48], cache=cache)
+    layer = static.layers[0]
+    assert layer.k_store.scale is None and layer.k_store.static_scale.shape == (1, n_heads, 1, 1)
+    assert static.nbytes() < dynamic.nbytes()  # no per-token scales
+    k_static, _ = layer.read_history()
+    k_dynamic, _ = dynamic.layers[0].read_history()
+    # the calibration saw these tokens: nothing clips, error within half a step of the static scale
+    with torch.no_grad():
+        full = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :48], cache=full)
+        ref = full.layers[0].keys
+    # per head vector (the rotation is orthogonal, so bound the L2 norm): half a step per element for
+    # int8, fp8's relative half-ulp (2**-4) plus its subnormal floor for fp8
+    step = scales["keys"][0].view(1, -1, 1)
+    d = ref.shape[-1]
+    err = (k_static - ref).norm(dim=-1)  # [B, H, T]
+    if fmt == "int8":
+        bound = d**0.5 * step / 2 * 1.01
+    else:
+        bound = ref.norm(dim=-1) * 2**-4 * 1.01 + d**0.5 * step * 2**-9
+    assert (err <= bound + 1e-6).all()
+    assert k_dynamic.shape == k_static.shape
+
+
+def test_static_scales_reject_int4():
+    with pytest.raises(ValueError, match="key_format"):
+        calibrate_static_scales(
+            tiny_model("llama"),
+            torch.zeros(1, 8, dtype=torch.long),
+            KVQuantConfig(key_format="int4", value_format="int4"),
+        )
