@@ -139,3 +139,23 @@ def test_layer_overrides_apply_per_layer():
     formats = [(layer.config.key_format, layer.config.value_format) for layer in cache.layers]
     assert formats[0] == ("int8", "int4") and formats[-1] == ("int4", "int8")
     assert all(f == ("int4", "int4") for f in formats[1 : n - 1])
+
+
+def test_generate_still_accepts_past_key_values():
+    model = tiny_model("llama")
+    ids, mask = _prompt(model)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, do_sample=False, max_new_tokens=8)
+    cache = KVQuantCache(model.config, "none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == out.shape[1] - 1  # our cache object was the one used
