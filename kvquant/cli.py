@@ -222,8 +222,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     except Exception as exc:  # one line, exit 2: bad input, not a traceback
         print(f"kvquant calibrate: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: keys {tuple(scales['keys'].shape)}, values {tuple(scales['values'].shape)} "
-          f"from {ids.shape[1]} tokens; use it as `static_scales: {args.out}` with key/value_format {args.format}")
+    print(
+        f"wrote {args.out}: keys {tuple(scales['keys'].shape)}, values {tuple(scales['values'].shape)} "
+        f"from {ids.shape[1]} tokens; use it as `static_scales: {args.out}` with key/value_format {args.format}"
+    )
     return 0
 
 
@@ -239,6 +241,61 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_calibrate)
 
 
+# ------------------------------------------------------------------------------------------ plan
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from kvquant.plan import PlanError, format_table, load_config, parse_size, plan
+
+    try:
+        memory = parse_size(args.memory, "--memory")
+        presets = None
+        if args.presets is not None:
+            presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+        config = load_config(args.model)
+        rows = plan(
+            config,
+            memory,
+            args.context,
+            batch=args.batch,
+            weights_dtype=args.weights_dtype,
+            kv_dtype=args.kv_dtype,
+            reserve=args.reserve,
+            presets=presets,
+        )
+    except PlanError as exc:
+        flag = str(exc).split(":", 1)[0].strip().lstrip("-").replace("_", "-")
+        msg = str(exc).split(":", 1)[1].strip() if ":" in str(exc) else str(exc)
+        print(f"kvquant plan: error: --{flag}: {' '.join(msg.split())}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": args.model, "rows": rows}, indent=2))
+    else:
+        print(format_table(rows, args.model))
+    return 0
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="capacity planner: KV bytes, max batch and max context per preset, from the model config alone",
+    )
+    p.add_argument("--model", default="default", help="HF id, local folder, config.json, or default")
+    p.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 80GB, 512MiB, bytes")
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="batch for the max-context column (default 1)")
+    p.add_argument("--weights-dtype", default="bf16", help="bf16 (default), fp16, fp32, fp8, int8, int4")
+    p.add_argument("--kv-dtype", default="bf16", help="model dtype of the full-precision KV (default bf16)")
+    p.add_argument(
+        "--reserve", default="10%", help="activation reserve: a percentage or a size (default 10%%)"
+    )
+    p.add_argument("--presets", default=None, help="comma-separated presets (default: all)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
@@ -248,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_eval(sub)
     _add_bench(sub)
+    _add_plan(sub)
     _add_calibrate(sub)
     return parser
 
