@@ -32,6 +32,21 @@ from kvquant.kernels.reference import check_append, quantize_append_ref, resolve
 
 
 @triton.jit
+def _store_rows(p_base, b_val, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_b, stride_h, stride_r, stride_g,
+                G: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, CHANNEL: tl.constexpr):  # fmt: skip
+    """Store a block of scales (or zero points): one ``[D]`` row per token block on the channel axis,
+    ``[BT, NG]`` per-token group values otherwise."""
+    p = p_base + i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h
+    if CHANNEL:
+        r = (index + i_t * BT) // G
+        tl.store(p + r * stride_r + o_d * stride_g, tl.reshape(b_val, (D,)).to(p_base.dtype.element_ty))
+    else:
+        o_g = tl.arange(0, NG)
+        p = p + (index + o_t)[:, None] * stride_r + o_g[None, :] * stride_g
+        tl.store(p, tl.reshape(b_val, (BT, NG)).to(p_base.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
 def quantize_append_kernel(
     p_x,
     p_codes,
@@ -128,27 +143,11 @@ def quantize_append_kernel(
 
     # ---- scales / zero points
     if not STATIC:
-        p_s = p_scale + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh
-        if CHANNEL:
-            r = (index + i_t * BT) // G
-            tl.store(
-                p_s + r * stride_sr + o_d * stride_sg, tl.reshape(b_s, (D,)).to(p_scale.dtype.element_ty)
-            )
-        else:
-            o_g = tl.arange(0, NG)
-            p_s = p_s + (index + o_t)[:, None] * stride_sr + o_g[None, :] * stride_sg
-            tl.store(p_s, tl.reshape(b_s, (BT, NG)).to(p_scale.dtype.element_ty), mask=m_t[:, None])
+        _store_rows(p_scale, b_s, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_sb, stride_sh, stride_sr, stride_sg,
+                    G, BT, D, NG, CHANNEL)  # fmt: skip
         if KIND == 2:
-            p_z = p_zero + i_b.to(tl.int64) * stride_zb + i_h.to(tl.int64) * stride_zh
-            if CHANNEL:
-                r = (index + i_t * BT) // G
-                tl.store(
-                    p_z + r * stride_zr + o_d * stride_zg, tl.reshape(b_z, (D,)).to(p_zero.dtype.element_ty)
-                )
-            else:
-                o_g = tl.arange(0, NG)
-                p_z = p_z + (index + o_t)[:, None] * stride_zr + o_g[None, :] * stride_zg
-                tl.store(p_z, tl.reshape(b_z, (BT, NG)).to(p_zero.dtype.element_ty), mask=m_t[:, None])
+            _store_rows(p_zero, b_z, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_zb, stride_zh, stride_zr, stride_zg,
+                        G, BT, D, NG, CHANNEL)  # fmt: skip
 
 
 def _strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
