@@ -1,9 +1,9 @@
 """``kvquant bench``: decode speed benchmarks. They report; they never gate on wall time.
 
 ``kvquant bench cpu``: decode tokens/s of a model (default: the embedded SmolLM2) at several
-context lengths, in one run, for DynamicCache, KVQuantCache with the fused ``kvquant`` attention,
+context lengths, in one run (runs interleaved so machine load hits all alike), for DynamicCache, KVQuantCache with the fused ``kvquant`` attention,
 KVQuantCache through the dequantizing path (plain sdpa), and transformers' QuantizedCache (quanto)
-when optimum-quanto is installed. Warm-up steps, then the median of repeated timed runs.
+when optimum-quanto is installed. Warm-up runs, then the median of repeated timed runs.
 
 ``kvquant bench kernels``: the GPU kernel benchmark (``kvquant.kernels.bench``; needs CUDA).
 """
@@ -11,8 +11,6 @@ when optimum-quanto is installed. Warm-up steps, then the median of repeated tim
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -22,51 +20,24 @@ from kvquant.attention import enable
 from kvquant.cache import KVQuantCache
 
 
-def _caches(model, presets: list[str]):
-    """(label, cache factory, attention implementation) for every contender."""
-    yield "DynamicCache", lambda: DynamicCache(config=model.config), "sdpa"
+def _caches(model, presets: list[str]) -> dict:
+    """Contender label -> fresh-cache factory. The model runs the ``kvquant`` attention throughout:
+    caches that hand it plain tensors (DynamicCache, quanto, ``fused=False``) get SDPA from it."""
+    builds = {"DynamicCache": lambda: DynamicCache(config=model.config)}
     for preset in presets:
-        yield f"kvquant {preset} (fused)", lambda p=preset: KVQuantCache(model.config, p), "kvquant"
-        yield (
-            f"kvquant {preset} (dequant)",
-            lambda p=preset: KVQuantCache(model.config, p, fused=False),
-            "sdpa",
-        )
+        builds[f"kvquant {preset} (fused)"] = lambda p=preset: KVQuantCache(model.config, p, fused=True)
+        builds[f"kvquant {preset} (dequant)"] = lambda p=preset: KVQuantCache(model.config, p, fused=False)
     try:
         import optimum.quanto  # noqa: F401
         from transformers import QuantizedCache
 
         for bits in (4, 2):
-            yield (
-                f"QuantizedCache quanto int{bits}",
-                lambda b=bits: QuantizedCache(backend="quanto", config=model.config, nbits=b),
-                "sdpa",
+            builds[f"QuantizedCache quanto int{bits}"] = lambda b=bits: QuantizedCache(
+                backend="quanto", config=model.config, nbits=b
             )
     except ImportError:
         pass
-
-
-@torch.inference_mode()
-def decode_tokens_per_s(model, cache_factory, attn: str, context: int, steps: int, repeats: int, warmup: int):
-    """Median decode tokens/s after prefilling ``context`` tokens (batch 1)."""
-    if attn == "kvquant":
-        enable(model)
-    else:
-        model.set_attn_implementation(attn)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, model.config.vocab_size - 1, (1, context), generator=gen)
-    token = ids[:, -1:]
-    rates = []
-    for _ in range(repeats):
-        cache = cache_factory()
-        model(input_ids=ids, cache=cache)
-        for _ in range(warmup):
-            model(input_ids=token, cache=cache)
-        start = time.perf_counter()
-        for _ in range(steps):
-            model(input_ids=token, cache=cache)
-        rates.append(steps / (time.perf_counter() - start))
-    return statistics.median(rates)
+    return builds
 
 
 def bench_cpu(
@@ -75,23 +46,37 @@ def bench_cpu(
     presets: tuple[str, ...] = ("int4", "int8"),
     steps: int = 16,
     repeats: int = 3,
-    warmup: int = 3,
+    warmup: int = 1,
     out_dir: str | None = None,
+    model=None,
 ) -> list[dict]:
-    """Run the CPU decode benchmark; print a markdown table; optionally write JSON + markdown."""
+    """Run the CPU decode benchmark (runs of all contenders interleaved, medians; see
+    :func:`kvquant.eval.speed.measure_speed`); print a markdown table; optionally write JSON + markdown."""
+    from kvquant.eval.speed import measure_speed
     from kvquant.models import load_model
 
-    model, _ = load_model(model_name)
-    rows = []
-    contenders = list(_caches(model, list(presets)))
-    for context in contexts:
-        base = None
-        for label, factory, attn in contenders:
-            tps = decode_tokens_per_s(model, factory, attn, context, steps, repeats, warmup)
-            base = tps if label == "DynamicCache" else base
-            rows.append({"context": context, "cache": label, "tokens_per_s": tps, "vs_dynamic": tps / base})
-            print(f"  context {context:>6}  {label:<34} {tps:7.2f} tok/s  {tps / base:5.2f}x", flush=True)
-    model.set_attn_implementation("sdpa")
+    if model is None:
+        model, _ = load_model(model_name)
+    enable(model)
+    gen = torch.Generator().manual_seed(0)
+    stream = torch.randint(100, model.config.vocab_size - 1, (max(contexts),), generator=gen)
+    try:
+        measured = measure_speed(model, _caches(model, list(presets)), stream, context_lengths=list(contexts),
+                                 batch_sizes=[1], decode_tokens=steps, warmup=warmup, repeats=repeats)  # fmt: skip
+    finally:
+        model.set_attn_implementation("sdpa")
+    base = {r["context"]: r["decode_tok_s"] for r in measured["DynamicCache"]}
+    rows = [
+        {
+            "context": r["context"],
+            "cache": label,
+            "tokens_per_s": r["decode_tok_s"],
+            "vs_dynamic": r["decode_tok_s"] / base[r["context"]],
+        }  # fmt: skip
+        for label, label_rows in measured.items()
+        for r in label_rows
+    ]
+    rows.sort(key=lambda r: r["context"])
     table = ["| context | cache | decode tok/s | vs DynamicCache |", "|---|---|---|---|"]
     table += [
         f"| {r['context']} | {r['cache']} | {r['tokens_per_s']:.2f} | {r['vs_dynamic']:.2f}x |" for r in rows

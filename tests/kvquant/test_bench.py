@@ -1,19 +1,20 @@
 """The CPU decode benchmark runs every contender (it reports speed; nothing here gates on time)."""
 
-from kvquant.bench import _caches, decode_tokens_per_s
+from kvquant.bench import bench_cpu
 from kvquant.cli import build_parser
 from kvquant.models import tiny_model
 
 
-def test_every_contender_decodes_and_is_timed():
+def test_every_contender_decodes_and_is_timed(tmp_path):
     model = tiny_model("llama")
-    labels = []
-    for label, factory, attn in _caches(model, ["int4"]):
-        rate = decode_tokens_per_s(model, factory, attn, context=40, steps=2, repeats=1, warmup=1)
-        assert rate > 0
-        labels.append(label)
-    model.set_attn_implementation("sdpa")
+    rows = bench_cpu(
+        model=model, contexts=(40,), presets=("int4",), steps=2, repeats=1, warmup=0, out_dir=tmp_path
+    )
+    labels = [r["cache"] for r in rows]
     assert labels[:3] == ["DynamicCache", "kvquant int4 (fused)", "kvquant int4 (dequant)"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert (tmp_path / "bench_cpu.json").is_file() and (tmp_path / "bench_cpu.md").is_file()
 
 
 def test_bench_cli_parses_targets():
