@@ -15,8 +15,11 @@ from kvquant.formats import format_spec, unpack_codes
 
 
 def _codes_as_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Codes ``[B, H, c, W]`` -> float32 ``[B, H, c, D]`` (integer levels / fp8 values / raw values)."""
+    """Codes ``[B, H, c, W]`` -> float32 ``[B, H, c, D]`` (integer levels / codebook levels / fp8 values
+    / raw values)."""
     spec = format_spec(fmt)
+    if spec.kind == "codebook":  # code -> its level (the scale is folded in like an integer's)
+        return spec.levels.to(codes.device)[unpack_codes(codes, spec.bits).long()]
     if spec.kind == "int_asym":
         return unpack_codes(codes, spec.bits).float()
     return codes.float()
@@ -30,8 +33,8 @@ def _code_planes(codes: torch.Tensor, fmt: str) -> list[torch.Tensor]:
     concatenated copy is made.
     """
     spec = format_spec(fmt)
-    if spec.kind != "int_asym":
-        return [codes.float()]
+    if spec.kind != "int_asym" or spec.bits == 3:  # one plane: the whole head
+        return [_codes_as_float(codes, fmt)]
     w = codes.shape[-1]
     if w % 4 == 0 and codes.stride(-1) == 1 and codes.storage_offset() % 4 == 0:
         words = codes.view(torch.int32)  # [B, H, c, W / 4]

@@ -9,7 +9,15 @@ Formats
 ``none``      pass-through: the tensor itself, in its own dtype (no scales)
 ``int8``      symmetric, ``code = round(x / s)`` in ``[-127, 127]``, stored as ``torch.int8``
 ``int4``      asymmetric, ``code = round((x - m) / s)`` in ``[0, 15]``, two codes per byte
+``int3``      asymmetric, ``code = round((x - m) / s)`` in ``[0, 7]``, 3 bits per code (bit planes)
 ``int2``      asymmetric, ``code = round((x - m) / s)`` in ``[0, 3]``, four codes per byte
+``nuq4`` / ``nuq3`` / ``nuq2``  non-uniform: the index of the nearest of the 16 / 8 / 4 Lloyd-Max
+              levels of a standard normal, times one scale per group (no zero point): of the
+              multiples ``CODEBOOK_SCALE_GRID`` of the group's RMS and ``max|x| / top level``, the
+              one with the least squared error, stretched so the group keeps its norm (nearest
+              levels alone shrink vectors, hence attention scores).
+              Matched to head vectors made Gaussian-like by the Hadamard rotation (TurboQuant,
+              KVQuant's nuq); codes packed like the integers of the same width.
 ``fp8_e4m3``  scaled, ``code = fp8(x / s)`` with ``s = amax / 448``
 ``fp8_e5m2``  scaled, ``code = fp8(x / s)`` with ``s = amax / 57344``
 
@@ -23,23 +31,28 @@ Scale granularity (``axis``)
 Packing (planar, kernel friendly): for int4 byte ``j`` of a head vector holds channel ``j`` in
 its low nibble and channel ``j + D/2`` in its high nibble; for int2 byte ``j`` holds channels
 ``j, j + D/4, j + D/2, j + 3D/4`` from the low to the high bit pair. A kernel unpacks a byte row
-into contiguous channel slices with one shift and mask each.
+into contiguous channel slices with one shift and mask each. 3-bit codes are two planes: the low
+two bits packed like int2 (``D/4`` bytes), then the high bit packed eight per byte (``D/8`` bytes).
 
 Scales and zero points are stored in ``scale_dtype`` (fp16 by default). They are rounded
 *outward* when stored (scale up, zero point ``m`` down) and the codes are computed from the stored
 values, so every element stays within half a quantization step of its input: no clipping. A zero
-range gets scale 1 (an all-zero vector round-trips exactly); a scale the dtype cannot hold, or a
-NaN/Inf input, raises ``ValueError``.
+range gets scale 1 (an all-zero vector round-trips exactly; codebooks, whose levels hold no zero,
+store scale 0 for an all-zero group); a scale the dtype cannot hold, or a NaN/Inf input, raises
+``ValueError``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-FORMAT_NAMES = ("none", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2")
+FORMAT_NAMES = ("none", "int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "nuq4", "nuq3", "nuq2")
 AXES = ("token", "channel")
+# codebook formats try these multiples of the group's RMS as its scale and keep the best one
+CODEBOOK_SCALE_GRID = (0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -47,8 +60,9 @@ SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 class FormatSpec:
     """What one format is made of.
 
-    ``kind`` is one of ``passthrough``, ``int_sym``, ``int_asym``, ``float``; ``qmax`` is the
-    largest code magnitude (integers) or the largest finite value (fp8).
+    ``kind`` is one of ``passthrough``, ``int_sym``, ``int_asym``, ``float``, ``codebook``;
+    ``qmax`` is the largest code magnitude (integers), the largest finite value (fp8) or the
+    largest level (codebooks, in units of the scale).
     """
 
     name: str
@@ -63,22 +77,68 @@ class FormatSpec:
 
     @property
     def per_byte(self) -> int:
-        """Codes per stored byte (1 for 8-bit formats)."""
+        """Codes per stored byte (1 for 8-bit formats; 3-bit codes do not fill whole bytes)."""
         return 8 // self.bits if self.bits < 8 else 1
+
+    @property
+    def packed(self) -> bool:
+        """Whether codes are bit-packed integers (``unpack_codes`` reads them)."""
+        return self.kind in ("int_asym", "codebook")
+
+    @property
+    def levels(self) -> torch.Tensor:
+        """Codebook levels ``[2**bits]`` (ascending, fp32) of a ``codebook`` format."""
+        return lloyd_max_levels(self.bits)
 
     def code_width(self, head_dim: int) -> int:
         """Stored elements per head vector along the last dim of ``codes``."""
-        return head_dim // self.per_byte
+        if self.bits >= 8:
+            return head_dim
+        return head_dim * self.bits // 8
 
 
 _SPECS = {
     "none": FormatSpec("none", 16, "passthrough", float("inf"), None),
     "int8": FormatSpec("int8", 8, "int_sym", 127.0, torch.int8),
     "int4": FormatSpec("int4", 4, "int_asym", 15.0, torch.uint8),
+    "int3": FormatSpec("int3", 3, "int_asym", 7.0, torch.uint8),
     "int2": FormatSpec("int2", 2, "int_asym", 3.0, torch.uint8),
     "fp8_e4m3": FormatSpec("fp8_e4m3", 8, "float", 448.0, torch.float8_e4m3fn),
     "fp8_e5m2": FormatSpec("fp8_e5m2", 8, "float", 57344.0, torch.float8_e5m2),
+    # qmax: the top Lloyd-Max level (a test checks it against lloyd_max_levels)
+    "nuq4": FormatSpec("nuq4", 4, "codebook", 2.732590, torch.uint8),
+    "nuq3": FormatSpec("nuq3", 3, "codebook", 2.151946, torch.uint8),
+    "nuq2": FormatSpec("nuq2", 2, "codebook", 1.510418, torch.uint8),
 }
+_LEVELS: dict[int, torch.Tensor] = {}
+
+
+def lloyd_max_levels(bits: int) -> torch.Tensor:
+    """The ``2**bits`` Lloyd-Max levels of a standard normal (MSE-optimal scalar quantizer), fp32.
+
+    Computed by Lloyd's iteration on the exact normal density (thresholds at midpoints, levels at
+    the conditional means), to convergence in float64. 2 bits: ``±0.4528, ±1.5104``.
+    """
+    if bits not in _LEVELS:
+        n = 2**bits
+        phi = lambda t: math.exp(-0.5 * t * t) / math.sqrt(2 * math.pi)  # noqa: E731
+        cdf = lambda t: 0.5 * (1 + math.erf(t / math.sqrt(2)))  # noqa: E731
+        levels = [-3 + 6 * (i + 0.5) / n for i in range(n)]
+        for _ in range(2000):
+            edges = (
+                [-math.inf] + [(a + b) / 2 for a, b in zip(levels[:-1], levels[1:], strict=True)] + [math.inf]
+            )
+            new = []
+            for a, b in zip(edges[:-1], edges[1:], strict=True):
+                pa = 0.0 if a == -math.inf else phi(a)
+                pb = 0.0 if b == math.inf else phi(b)
+                new.append((pa - pb) / (cdf(b) - cdf(a)))
+            done = max(abs(x - y) for x, y in zip(new, levels, strict=True)) < 1e-12
+            levels = new
+            if done:
+                break
+        _LEVELS[bits] = torch.tensor(levels, dtype=torch.float32)
+    return _LEVELS[bits]
 
 
 def format_spec(name: str) -> FormatSpec:
@@ -130,6 +190,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if bits == 8:
         return codes
+    if bits == 3:  # two planes: low bit pairs like int2, then the high bits eight per byte
+        return torch.cat([pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)], dim=-1)
     per_byte = 8 // bits
     d = codes.shape[-1]
     if d % per_byte:
@@ -149,6 +211,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if bits == 8:
         return packed
+    if bits == 3:
+        w = packed.shape[-1] // 3  # D / 8
+        return unpack_codes(packed[..., : 2 * w], 2) | (unpack_codes(packed[..., 2 * w :], 1) << 2)
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     if packed.shape[-1] % 4 == 0 and packed.stride(-1) == 1 and packed.storage_offset() % 4 == 0:
@@ -245,14 +310,21 @@ def quantize(
     xf = x.float()
 
     if static_scale is not None:
-        if spec.kind == "int_asym":
+        if spec.kind in ("int_asym", "codebook"):
             raise ValueError(f"static_scale: only int8 and fp8 formats take static scales, not {fmt}")
         scale = static_scale.to(scale_dtype).view(1, -1, 1, 1)
         _check_finite(x, xf.abs().amax(), scale_dtype=scale_dtype)
         codes = _encode_symmetric(xf, scale.float(), spec)
         return QuantizedBlock(codes, scale, None)
 
+    if spec.kind == "codebook" and axis != "token":
+        raise ValueError(f"axis: codebook format {fmt} takes scales along the token axis only")
     xg, red = _group_view(xf, g, axis)
+    if spec.kind == "codebook":
+        q, scale = _encode_codebook(xg, red, spec, scale_dtype)
+        _check_finite(x, scale, scale_dtype=scale_dtype)
+        codes = pack_codes(_ungroup(q, x.shape), spec.bits)
+        return QuantizedBlock(codes, scale.squeeze(red), None)
     if spec.kind == "int_asym":
         mn = xg.amin(dim=red, keepdim=True)
         mx = xg.amax(dim=red, keepdim=True)
@@ -270,6 +342,50 @@ def quantize(
     _check_finite(x, scale, scale_dtype=scale_dtype)
     codes = _encode_symmetric(xg, scale.float(), spec)
     return QuantizedBlock(_ungroup(codes, x.shape), scale.squeeze(red), None)
+
+
+def _encode_codebook(
+    xg: torch.Tensor, red: int, spec: FormatSpec, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest-level codes and the stored scale of each group.
+
+    Of the candidate scales ``RMS * CODEBOOK_SCALE_GRID`` and ``max|x| / top level`` (which makes a
+    constant vector round trip) take the one with the smallest squared error, stretch it so the
+    dequantized group has the norm of the input, and encode with that scale.
+    """
+    xg = xg.contiguous()
+    levels = spec.levels.to(xg.device)
+    edges = (levels[1:] + levels[:-1]) / 2
+    rms = xg.square().mean(dim=red, keepdim=True).sqrt()
+    rms = torch.where(rms == 0, torch.ones_like(rms), rms)
+    amax = xg.abs().amax(dim=red, keepdim=True)
+    fit_max = torch.where(amax == 0, torch.ones_like(amax), amax / spec.qmax)  # largest |x| on the top level
+    candidates = [rms * factor for factor in CODEBOOK_SCALE_GRID] + [fit_max]
+    best_q = best_s = best_err = None
+    for raw in candidates:
+        s = round_to_dtype(raw, scale_dtype, +1)
+        q = torch.bucketize(xg / s.float(), edges)
+        err = (levels[q] * s.float() - xg).square().sum(dim=red, keepdim=True)
+        if best_q is None:
+            best_q, best_s, best_err = q, s, err
+            continue
+        better = err < best_err
+        best_q = torch.where(better, q, best_q)
+        best_s = torch.where(better, s, best_s)
+        best_err = torch.minimum(err, best_err)
+    # Nearest levels shrink a vector (each level is the mean of its cell), which would shrink every
+    # attention score; rescale so that the group keeps its norm, then re-pick the nearest levels
+    # for the scale actually stored (the error bound is about that scale).
+    norm_x = xg.square().sum(dim=red, keepdim=True).sqrt()
+    norm_q = (levels[best_q] * best_s.float()).square().sum(dim=red, keepdim=True).sqrt()
+    keep = norm_q > 0
+    raw = torch.where(keep, best_s.float() * norm_x / torch.where(keep, norm_q, torch.ones_like(norm_q)), rms)
+    best_s = round_to_dtype(raw, scale_dtype, +1)
+    best_q = torch.bucketize(xg / best_s.float(), edges)
+    # the levels hold no zero: an all-zero group stores scale 0 (dequantizes to exact zeros; the
+    # stored scale is never a divisor, quantization divided by the nonzero candidates above)
+    best_s = torch.where(amax == 0, torch.zeros_like(best_s), best_s)
+    return best_q.to(torch.uint8), best_s
 
 
 def _encode_symmetric(x: torch.Tensor, scale: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
@@ -295,7 +411,9 @@ def dequantize(
     spec = format_spec(fmt)
     if spec.kind == "passthrough":
         return block.codes.to(out_dtype)
-    if spec.kind == "int_asym":
+    if spec.kind == "codebook":
+        q = spec.levels.to(block.codes.device)[unpack_codes(block.codes, spec.bits).long()]
+    elif spec.kind == "int_asym":
         q = unpack_codes(block.codes, spec.bits).float()
     else:
         q = block.codes.float()
@@ -316,7 +434,8 @@ def error_bound(
 ) -> torch.Tensor:
     """Per-element bound on ``|dequantize(quantize(x)) - x|`` implied by the format, ``[B, H, T, D]``.
 
-    Integers: half a step (``scale / 2``). fp8: half an ulp of the scaled value (relative
+    Integers: half a step (``scale / 2``). Codebooks: half the widest gap between levels, or the
+    distance beyond the outermost level, times the scale. fp8: half an ulp of the scaled value (relative
     ``2**-(mantissa+1)``, or half the smallest subnormal step near zero), times the scale.
     A small fp32 slack (1e-6 relative) covers the arithmetic of the round trip itself.
     """
@@ -335,6 +454,11 @@ def error_bound(
     slack = 1e-6 * xf.abs() + 1e-30
     if spec.kind in ("int_sym", "int_asym"):
         return s * 0.5 * (1 + 1e-6) + slack
+    if spec.kind == "codebook":  # half the widest gap inside the levels; beyond them, the overshoot
+        lv = spec.levels.to(x.device)
+        half_gap = float((lv[1:] - lv[:-1]).max()) / 2
+        over = (xf.abs() / s - float(lv[-1])).clamp_min(0)
+        return torch.maximum(over, torch.full_like(over, half_gap)) * s * (1 + 1e-6) + slack
     mant, min_sub = (3, 2.0**-9) if fmt == "fp8_e4m3" else (2, 2.0**-16)
     scaled = xf.abs() / s
     half_ulp = torch.maximum(scaled * 2.0 ** -(mant + 1), torch.full_like(scaled, min_sub / 2))

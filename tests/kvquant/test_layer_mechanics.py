@@ -240,8 +240,8 @@ def test_bad_presets_and_fields_raise_one_clear_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="preset or YAML file 'int5'"):
         KVQuantCache(model.config, "int5")
-    with pytest.raises(ValueError, match=r"key_format: invalid value 'int3'; allowed: none, int8"):
-        KVQuantConfig(key_format="int3")
+    with pytest.raises(ValueError, match=r"key_format: invalid value 'int5'; allowed: none, int8"):
+        KVQuantConfig(key_format="int5")
     with pytest.raises(ValueError, match=r"residual_length: invalid value -1"):
         KVQuantConfig(residual_length=-1)
     with pytest.raises(ValueError, match=r"layer_overrides\[0\]: invalid value 'bits'"):
