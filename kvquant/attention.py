@@ -27,6 +27,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvquant.decode_cpu import decode_attention_torch
 from kvquant.rotation import rotate, unrotate
 
+# formats the Triton decode kernel reads; the others decode through the chunked torch path
+KERNEL_FORMATS = ("none", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2")
+
 ATTENTION_NAME = "kvquant"
 
 
@@ -132,7 +135,16 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
     end = view.store_end - layer.base
     ks, vs = layer.k_store, layer.v_store
     rotated = layer.config.rotation == "hadamard"
-    qr = rotate(q) if rotated else q
+    smooth = layer.smooth
+    n_rep = q.shape[1] // ks.codes.shape[1]
+
+    def per_query_head(t: torch.Tensor) -> torch.Tensor:  # [B, Hkv, 1, D] -> [B, Hq, D]
+        return t[:, :, 0].float().repeat_interleave(n_rep, dim=1)
+
+    q_in = q
+    if smooth is not None and smooth[1] is not None:  # keys stored as (k - mean) / std
+        q_in = q.float() * per_query_head(smooth[1])
+    qr = rotate(q_in) if rotated else q_in
     args = dict(
         k_fmt=ks.fmt,
         v_fmt=vs.fmt,
@@ -147,14 +159,18 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
     k_scale = ks.scale if ks.scale is not None else ks.static_scale
     v_scale = vs.scale if vs.scale is not None else vs.static_scale
     tensors = (qr, ks.codes, k_scale, ks.zero, vs.codes, v_scale, vs.zero)
-    if q.is_cuda:
+    if q.is_cuda and ks.fmt in KERNEL_FORMATS and vs.fmt in KERNEL_FORMATS:
         from kvquant.kernels import quantized_decode_attention
 
         out, lse = quantized_decode_attention(*tensors, **args)
-    else:
+    else:  # CPU, or a format the Triton kernel does not read (int3, nuq*): the chunked torch path
         out, lse = decode_attention_torch(*tensors, **args)
     if rotated:
         out = unrotate(out)
+    if smooth is not None:
+        # scores were q.(k - mean): every stored score is short by q.mean, one constant per query
+        # head (exact without softcap; softcap makes _decode take the dequantizing path)
+        lse = lse + scaling * (q.float() * per_query_head(smooth[0])).sum(-1)
     return out, lse
 
 
@@ -214,11 +230,12 @@ def kvquant_attention_forward(
     softcap = kwargs.get("softcap")
     if isinstance(key, KVView):
         view = key
-        if query.shape[2] == 1 and view.seq_before > 0:
+        smoothed_softcap = softcap is not None and view.layer.smooth is not None
+        if query.shape[2] == 1 and view.seq_before > 0 and not smoothed_softcap:
             return _decode(view, query, scaling, softcap), None
         if view.seq_before == 0:  # a fresh prompt: its own full-precision K/V
             key, value = view.new_k, view.new_v
-        else:  # a chunk after cached tokens: dequantize the history
+        else:  # a chunk after cached tokens (or a smoothed store under softcap): dequantize
             key, value = view.dequantized()
     if softcap is None and dropout == 0.0:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.config import KVQuantConfig
-from kvquant.formats import QuantizedBlock
+from kvquant.formats import QuantizedBlock, round_to_dtype
 from kvquant.rotation import rotate, unrotate
 from kvquant.store import TokenStore
 
@@ -77,6 +77,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.sink_k = self.sink_v = None  # [B, H, S, D]
         self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
         self.pads_max = 0
+        # key smoothing statistics (config.smoothing): mean and std, each [B, H, 1, D] in the scale
+        # dtype (std None for "mean"); None until the first tokens are quantized
+        self.smooth: tuple[torch.Tensor | None, ...] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -206,6 +209,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Quantize ``k, v [B, H, n, D]`` (positions ``[store_end, store_end + n)``) into the store."""
         n = k.shape[2]
         self._reserve(self.store_end + n)
+        if self.config.smoothing != "none":
+            k = self._smooth(k)
         if self.config.rotation == "hadamard":
             k, v = rotate(k), rotate(v)
         index = self.store_end - self.base
@@ -226,6 +231,40 @@ class QuantizedKVLayer(CacheLayerMixin):
             ks.write(index, ks.quantize(k))
             vs.write(index, vs.quantize(v))
         self.store_end += n
+
+    # ------------------------------------------------------------------------------------ smoothing
+
+    def _smoothing_stats(self, k: torch.Tensor, t0: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-(row, head) channel mean (and std) of keys ``k`` at positions ``[t0, t0 + n)``,
+        padding and sink tokens excluded (a row with none of its own tokens gets mean 0, std 1)."""
+        n = k.shape[2]
+        pos = torch.arange(t0, t0 + n, device=k.device)
+        first = self.pads + self.config.sink_tokens  # [B] first position that is neither pad nor sink
+        w = (pos[None, :] >= first[:, None]).float()[:, None, :, None]  # [B, 1, n, 1]
+        count = w.sum(2, keepdim=True)  # [B, 1, 1, 1]
+        sdt = self.config.torch_scale_dtype
+        x = k.float()
+        mean = (x * w).sum(2, keepdim=True) / count.clamp_min(1)  # [B, H, 1, D]
+        if self.config.smoothing != "channel":
+            return mean.to(sdt), None
+        std = ((((x - mean) ** 2) * w).sum(2, keepdim=True) / count.clamp_min(1)).sqrt()
+        floor = std.mean(-1, keepdim=True) * 1e-2 + torch.finfo(sdt).tiny  # no channel collapses
+        std = torch.where(count > 1, torch.maximum(std, floor), torch.ones_like(std))
+        return mean.to(sdt), round_to_dtype(std, sdt, +1)
+
+    def _smooth(self, k: torch.Tensor) -> torch.Tensor:
+        """``(k - mean) / std`` (statistics fixed by the first call)."""
+        if self.smooth is None:
+            self.smooth = self._smoothing_stats(k, self.store_end)
+        mean, std = self.smooth
+        k = k.float() - mean.float()
+        return k if std is None else k / std.float()
+
+    def _unsmooth(self, k: torch.Tensor) -> torch.Tensor:
+        mean, std = self.smooth
+        if std is not None:
+            k = k * std.float()
+        return k + mean.float()
 
     def _reserve(self, end_position: int) -> None:
         """Room in the store up to ``end_position``: compact dropped positions first, else grow."""
@@ -295,10 +334,13 @@ class QuantizedKVLayer(CacheLayerMixin):
     def read_store(self, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of stored positions ``[p0, p1)`` (sinks applied, rotation undone)."""
         i0, i1 = p0 - self.base, p1 - self.base
-        k = self.k_store.read(i0, i1, self.dtype)
+        smoothed = self.smooth is not None
+        k = self.k_store.read(i0, i1, torch.float32 if smoothed else self.dtype)
         v = self.v_store.read(i0, i1, self.dtype)
         if self.config.rotation == "hadamard":
             k, v = unrotate(k), unrotate(v)
+        if smoothed:
+            k = self._unsmooth(k).to(self.dtype)
         return self._apply_sinks(k, p0, self.sink_k), self._apply_sinks(v, p0, self.sink_v)
 
     def read_history(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,6 +409,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
+        if self.smooth is not None:
+            self.smooth = tuple(None if t is None else fn(t) for t in self.smooth)
         self.pads_max = int(self.pads.max()) if self.pads.numel() else 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -405,6 +449,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             held = (self.seq_len - self.pads).clamp(0, self.config.sink_tokens).sum().item()
             per = self.sink_k.shape[1] * self.sink_k.shape[3] * self.sink_k.element_size()
             sink = int(held) * per * 2
+        if self.smooth is not None:
+            store += sum(_nbytes(t) for t in self.smooth)
         return {"store": store, "tail": tail, "sink": sink}
 
     def reserved_bytes(self) -> int:
@@ -412,6 +458,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             return 0
         stores = self.k_store.reserved_bytes() + self.v_store.reserved_bytes()
         fp = sum(_nbytes(t) for t in (self.tail_k, self.tail_v, self.sink_k, self.sink_v))
+        if self.smooth is not None:
+            fp += sum(_nbytes(t) for t in self.smooth)
         return stores + fp
 
     def fp16_bytes(self) -> int:

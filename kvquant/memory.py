@@ -93,6 +93,8 @@ def layer_bytes(
         _store_tensor_bytes(cfg, which, store_begin, store_end, batch, heads, head_dim, fp_itemsize)
         for which in ("key", "value")
     )
+    if store_end > 0 and cfg.smoothing != "none":  # per-(row, head) channel mean (and std) of K
+        store += batch * heads * head_dim * _scale_itemsize(cfg) * (2 if cfg.smoothing == "channel" else 1)
     fp_token = batch * heads * head_dim * fp_itemsize * 2  # K and V
     out = {"store": store, "tail": tail * fp_token, "sink": sink_held * fp_token}
     out["total"] = sum(out.values())
