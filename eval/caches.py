@@ -193,6 +193,48 @@ def cache_nbytes(cache: Any) -> int:
     return total
 
 
+def _bytes_at_16bit(obj: Any) -> int:
+    """Like :func:`_tensor_bytes`, with every float32 tensor counted at 2 bytes per element."""
+    if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return obj.numel() * (2 if obj.dtype == torch.float32 else obj.element_size())
+    if isinstance(obj, torch.Tensor):
+        names, _ = obj.__tensor_flatten__()
+        return sum(_bytes_at_16bit(getattr(obj, n)) for n in names)
+    if isinstance(obj, (tuple, list)):
+        return sum(_bytes_at_16bit(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_bytes_at_16bit(o) for o in obj.values())
+    return 0
+
+
+def cache_nbytes_16bit(cache: Any) -> int:
+    """The bytes :func:`cache_nbytes` counts, as a 16-bit model would hold them: what the cache keeps
+    in a float32 model's dtype (full-precision tokens; transformers' QuantizedCache also its scales
+    and shifts) at 2 bytes per element. Lets runs made in float32 for precision state the memory of
+    a bf16 / fp16 deployment."""
+    from kvquant import KVQuantCache
+    from kvquant.layer import QuantizedKVLayer
+
+    if isinstance(cache, KVQuantCache):
+        total = 0
+        for layer in cache.layers:
+            if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
+                continue
+            parts = layer.nbytes()
+            shrink = min(2, layer.tail_k.element_size()) / layer.tail_k.element_size()
+            fp = parts["tail"] + parts["sink"]
+            store = parts["store"]
+            if layer.k_store.spec.kind == "passthrough" and layer.v_store.spec.kind == "passthrough":
+                store = int(store * shrink)
+            total += store + int(fp * shrink)
+        return total
+    total = 0
+    for layer in cache.layers:
+        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            total += _bytes_at_16bit(getattr(layer, attr, None))
+    return total
+
+
 def kv_geometry(model: Any) -> tuple[int, int, int]:
     """(layers, kv heads, head_dim) of the model's decoder."""
     cfg = model.config.get_text_config(decoder=True)

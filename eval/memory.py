@@ -27,7 +27,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kvquant.eval.caches import CacheSpec, cache_nbytes, fp16_bytes_per_token, theoretical_bits
+from kvquant.eval.caches import (
+    CacheSpec,
+    cache_nbytes,
+    cache_nbytes_16bit,
+    fp16_bytes_per_token,
+    theoretical_bits,
+)
 from kvquant.eval.decode import teacher_forced_logprobs
 
 
@@ -152,6 +158,7 @@ def measure_memory(model: Any, spec: CacheSpec, window: torch.Tensor, prefix_len
         "fp16_bytes_per_token": fp16,
         "compression_vs_fp16": fp16 / per_token if per_token else float("nan"),
         "effective_bits": 16.0 * per_token / fp16,
+        "effective_bits_16bit": 16.0 * cache_nbytes_16bit(cache) / tokens / fp16,
         "theoretical_bits": bits,
         "theoretical_bytes_per_token": None if bits is None else fp16 * bits / 16.0,
         "peak_bytes": pm.peak_bytes,

@@ -93,7 +93,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             if length not in retrieval_lengths:
                 retrieval_lengths.append(length)
     head = ["cache", "ppl", "Δppl", "Δppl %", "KL mean", "KL p90", "KL p99", "top-1"]
-    head += ["B/token", "× fp16", "bits held", "bits theory", "peak MB"]
+    head += ["B/token", "× fp16", "bits held", "bits @16-bit", "bits theory", "peak MB"]
     if speed_ctx is not None:
         head += [f"prefill ms @{speed_ctx}", f"tok/s @{speed_ctx}", "decode × dyn"]
     if retrieval_lengths:
@@ -113,6 +113,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             _f(m.get("bytes_per_token"), ".0f"),
             _f(m.get("compression_vs_fp16"), ".2f"),
             _f(m.get("effective_bits"), ".2f"),
+            _f(m.get("effective_bits_16bit"), ".2f"),
             _f(m.get("theoretical_bits"), ".2f"),
             _f(None if m.get("peak_bytes") is None else m["peak_bytes"] / 2**20, ".1f"),
         ]

@@ -165,3 +165,24 @@ def test_speed_helpers():
     ref = [{"context": 8, "batch": 1, "prefill_ms": 10.0, "decode_tok_s": 20.0}]
     (r,) = with_ratios(rows, ref)
     assert r["prefill_x"] == 2.0 and r["decode_x"] == 1.5
+
+
+def test_bytes_at_16bit_count_full_precision_tokens_at_two_bytes(tiny):
+    from kvquant.eval.caches import cache_nbytes_16bit
+
+    ids = torch.randint(0, 100, (1, 30))
+    quant = KVQuantCache(tiny.config, "int4")  # 4 sinks + 16 newest tokens in the model's fp32
+    dyn = DynamicCache(config=tiny.config)
+    with torch.no_grad():
+        tiny(ids, cache=quant)
+        tiny(ids, cache=dyn)
+    parts = [layer.nbytes() for layer in quant.layers]
+    fp = sum(p["tail"] + p["sink"] for p in parts)
+    assert fp > 0
+    assert cache_nbytes_16bit(quant) == cache_nbytes(quant) - fp // 2
+    assert cache_nbytes_16bit(dyn) == cache_nbytes(dyn) // 2
+    half = KVQuantCache(tiny.config, "int4")
+    with torch.no_grad():
+        tiny.to(torch.bfloat16)(ids, cache=half)
+    tiny.to(torch.float32)
+    assert cache_nbytes_16bit(half) == cache_nbytes(half) == cache_nbytes_16bit(quant)
