@@ -1,0 +1,650 @@
+"""``run_sweep``: cache configs × context lengths × batch sizes (× models), through the eval harness.
+
+A sweep YAML (``configs/sweep_default.yaml`` lists every key with comments) names the models, the
+cache specs (as ``kvquant eval --cache`` takes them), the quality settings and the grid. For every
+model it measures, as separate pieces, each appended to ``results.jsonl`` the moment it finishes:
+
+- ``quality`` per cache: teacher-forced decode-mode KL / Δppl / top-1 against DynamicCache, by the
+  harness's own quality task (``runner._Context``: baseline once, kept in ``baseline_logprobs.pt``);
+- ``memory`` per (cache, context, batch): a fresh cache prefills ``[batch, context]`` tokens and
+  decodes ``speed.decode_tokens`` greedily (``speed.time_once``) under :class:`PeakMemory`; the bytes
+  the cache then holds (``cache_nbytes``: codes, scales, zeros, full-precision sink / residual) give
+  bytes per token and effective bits per element; the run also warms the caches up for speed;
+- ``speed`` per (cache, context, batch): :func:`measure_speed` over all caches still to do at that
+  point plus one DynamicCache, runs interleaved round by round; ratios against that DynamicCache.
+
+Each piece is keyed by (model, cache name + settings hash, kind, context, batch); a restarted sweep
+skips the pieces it finds and measures only the rest. At the end it writes ``results.csv`` and
+``results.md`` (one row per (model, cache, context, batch) point), the plots (:mod:`kvquant.eval.plots`)
+with the data behind each, the capacity at ``capacity.budget`` (:func:`kvquant.plan.plan`) and a
+recommendation for the quality budget (:func:`kvquant.eval.sweep_report.recommend`).
+
+Example:
+    >>> from kvquant.eval.sweep import run_sweep
+    >>> result = run_sweep("default", overrides={"grid.contexts": [256], "out": "runs/sweep-small"})
+    >>> print(result.recommendation["text"])       # also in result.out_dir / "results.md"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import importlib.resources
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from kvquant.eval.caches import (
+    CacheSpec,
+    cache_nbytes,
+    cache_nbytes_16bit,
+    fp16_bytes_per_token,
+    resolve_specs,
+    theoretical_bits,
+)
+from kvquant.eval.config import (
+    CorpusSection,
+    EvalConfig,
+    EvalError,
+    _merge,
+    _unflatten,
+    read_yaml,
+)
+from kvquant.eval.config import load_config as load_eval_config
+from kvquant.eval.corpus import load_corpus, make_windows, tokenize
+from kvquant.eval.memory import PeakMemory
+from kvquant.eval.report import environment
+from kvquant.eval.runner import (
+    _append_record,
+    _Context,
+    _load_model,
+    _max_context,
+    _model_fingerprint,
+    _read_records,
+    _tqdm,
+    _write_json,
+)
+from kvquant.eval.speed import measure_speed, prompt_tokens, time_once, with_ratios
+
+logger = logging.getLogger("kvquant.eval")
+
+ATTN = ("sdpa", "eager", "kvquant", "flash_attention_2")
+KINDS = ("quality", "memory", "speed")
+
+
+class SweepError(EvalError):
+    """Bad sweep input; the message names the field. The CLI prints it on one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class SweepModel:
+    dtype: str = "float32"  # float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device_map: str | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class SweepCorpus:
+    name: str = "embedded"  # as kvquant eval's corpus.name
+    text_field: str = "text"
+    join: str | None = None
+    fallback: str | None = "embedded"  # used (with a warning) when `name` is a missing file
+
+
+@dataclass
+class SweepQuality:
+    mode: str = "decode"
+    prefix_len: int = 512
+    score_len: int = 32
+    windows: int = 2
+
+
+@dataclass
+class SweepGrid:
+    contexts: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    batches: list[int] = field(default_factory=lambda: [1])
+
+
+@dataclass
+class SweepSpeed:
+    decode_tokens: int = 8
+    warmup: int = 0  # extra discarded rounds; the memory run before them already warms every cache
+    repeats: int = 1
+
+
+@dataclass
+class SweepCapacity:
+    budget: str = "24GiB"  # accelerator memory for the max-concurrent-sequences plot
+    weights_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    reserve: str = "10%"
+    contexts: list[int] | None = None  # None: the grid's contexts (they are always included)
+
+
+@dataclass
+class SweepRecommend:
+    max_kl: float | None = 0.01  # mean KL(DynamicCache || cache), nats per token
+    max_dppl_pct: float | None = None  # Δppl vs DynamicCache, percent
+
+
+@dataclass
+class SweepConfig:
+    name: str | None = None  # None: the YAML file's stem without "sweep_"
+    models: list[str] = field(default_factory=lambda: ["smollm2"])
+    model: SweepModel = field(default_factory=SweepModel)
+    corpus: SweepCorpus = field(default_factory=SweepCorpus)
+    caches: list[str] = field(default_factory=lambda: ["dynamic", "int8", "int4"])
+    quality: SweepQuality = field(default_factory=SweepQuality)
+    grid: SweepGrid = field(default_factory=SweepGrid)
+    speed: SweepSpeed = field(default_factory=SweepSpeed)
+    capacity: SweepCapacity = field(default_factory=SweepCapacity)
+    recommend: SweepRecommend = field(default_factory=SweepRecommend)
+    out: str | None = None  # None: runs/sweep-<name>
+    seed: int = 0
+    progress: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def eval_config(self, model_name: str, corpus: CorpusSection | None = None) -> EvalConfig:
+        """The harness config of one model's quality pieces (speed, memory, retrieval off)."""
+        c = corpus or CorpusSection(self.corpus.name, self.corpus.text_field, self.corpus.join)
+        return load_eval_config(
+            {
+                "model": {"name": model_name, **dataclasses.asdict(self.model)},
+                "corpus": dataclasses.asdict(c),
+                "caches": list(self.caches),
+                "quality": {**dataclasses.asdict(self.quality), "enabled": True},
+                "memory": {"enabled": False},
+                "speed": {"enabled": False},
+                "retrieval": {"enabled": False},
+                "seed": self.seed,
+                "progress": self.progress,
+            }
+        )
+
+    def validate(self) -> None:
+        """Every field checked once; the first bad one raises :class:`SweepError` naming it."""
+        from kvquant.plan import PlanError, dtype_bytes, parse_reserve, parse_size
+
+        if not isinstance(self.models, list) or not self.models:
+            raise SweepError(f"models: expected a non-empty list of model names, got {self.models!r}")
+        for m in self.models:
+            if not isinstance(m, str) or not m:
+                raise SweepError(
+                    f"models: invalid entry {m!r}; allowed: 'smollm2', an HF id or a local folder"
+                )
+        dev = self.model.device
+        if not isinstance(dev, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", dev):
+            raise SweepError(f"model.device: invalid value {dev!r}; allowed: auto, cpu, cuda, cuda:N")
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise SweepError(
+                f"model.device: {dev!r} asks for CUDA, but torch sees no CUDA device here; "
+                "allowed on this machine: auto, cpu"
+            )
+        if self.model.attn_implementation not in ATTN:
+            raise SweepError(
+                f"model.attn_implementation: invalid value {self.model.attn_implementation!r}; "
+                f"allowed: {', '.join(ATTN)}"
+            )
+        for name, values in (("grid.contexts", self.grid.contexts), ("grid.batches", self.grid.batches)):
+            _positive_ints(name, values)
+        if self.capacity.contexts is not None:
+            _positive_ints("capacity.contexts", self.capacity.contexts)
+        if self.corpus.fallback is not None and not isinstance(self.corpus.fallback, str):
+            raise SweepError(
+                f"corpus.fallback: invalid value {self.corpus.fallback!r}; allowed: a corpus name or null"
+            )
+        for key in ("max_kl", "max_dppl_pct"):
+            v = getattr(self.recommend, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v):
+                raise SweepError(f"recommend.{key}: invalid value {v!r}; allowed: a number or null")
+        if self.recommend.max_kl is not None and self.recommend.max_kl < 0:
+            raise SweepError(
+                f"recommend.max_kl: invalid value {self.recommend.max_kl!r}; allowed: a number >= 0"
+            )
+        for key in ("name", "out"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SweepError(f"{key}: invalid value {v!r}; allowed: a non-empty string or null")
+        try:
+            memory = parse_size(self.capacity.budget, "capacity.budget")
+            parse_reserve(self.capacity.reserve, memory, "capacity.reserve")
+            dtype_bytes(self.capacity.weights_dtype, "capacity.weights_dtype")
+            dtype_bytes(self.capacity.kv_dtype, "capacity.kv_dtype")
+        except PlanError as exc:
+            raise SweepError(str(exc)) from None
+        try:  # model.dtype, quality.*, caches: the harness's own checks and messages
+            cfg = self.eval_config(self.models[0])
+            for key, value, low in (
+                ("speed.decode_tokens", self.speed.decode_tokens, 1),
+                ("speed.warmup", self.speed.warmup, 0),
+                ("speed.repeats", self.speed.repeats, 1),
+            ):
+                if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                    raise SweepError(f"{key}: invalid value {value!r}; expected an integer >= {low}")
+            resolve_specs(cfg.caches)
+        except SweepError:
+            raise
+        except EvalError as exc:
+            msg = " ".join(str(exc).split())
+            if msg.startswith("cache"):  # "cache: unknown ..." / "cache 'x': ..." -> name the field
+                msg = (
+                    "caches: " + msg.split(":", 1)[1].strip()
+                    if msg.startswith("cache:")
+                    else f"caches: {msg}"
+                )
+            raise SweepError(msg) from None
+
+
+def _positive_ints(name: str, values: Any) -> None:
+    if not isinstance(values, list) or not values:
+        raise SweepError(f"{name}: expected a non-empty list of positive integers, got {values!r}")
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise SweepError(f"{name}: invalid value {v!r}; allowed: positive integers")
+
+
+def _configs_dir():
+    return importlib.resources.files("kvquant.configs")
+
+
+def sweep_names() -> list[str]:
+    """Names of the sweeps shipped in ``configs/`` (``sweep_<name>.yaml``)."""
+    d = _configs_dir()
+    return sorted(
+        p.name[6:-5] for p in d.iterdir() if p.name.startswith("sweep_") and p.name.endswith(".yaml")
+    )
+
+
+def load_sweep_config(
+    config: SweepConfig | dict[str, Any] | str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> SweepConfig:
+    """Defaults, then ``config`` (a SweepConfig, a dict, a YAML path, or a shipped name such as
+    ``default`` for ``configs/sweep_default.yaml``), then ``overrides`` (``{"dotted.key": value}``).
+
+    Example:
+        >>> cfg = load_sweep_config("default", {"grid.contexts": [128]})
+        >>> cfg.grid.contexts, cfg.name
+        ([128], 'default')
+    """
+    try:
+        return _load(config, overrides)
+    except SweepError:
+        raise
+    except EvalError as exc:  # unknown keys, bad YAML: the loader of kvquant eval says which
+        raise SweepError(str(exc)) from None
+
+
+def _load(config: Any, overrides: dict[str, Any] | None) -> SweepConfig:
+    cfg = SweepConfig()
+    if isinstance(config, SweepConfig):
+        cfg = config
+    elif isinstance(config, dict):
+        cfg = _merge(cfg, config, "")
+    elif config is not None:
+        path = Path(config).expanduser()
+        if not path.is_file() and str(config) in sweep_names():
+            path = Path(str(_configs_dir() / f"sweep_{config}.yaml"))
+        if not path.is_file():
+            raise SweepError(
+                f"config: no such file {str(config)!r}; shipped sweeps: {', '.join(sweep_names()) or 'none'}"
+            )
+        cfg = _merge(cfg, read_yaml(path), "")
+        if cfg.name is None:
+            cfg = dataclasses.replace(cfg, name=path.stem.removeprefix("sweep_"))
+    if overrides:
+        cfg = _merge(cfg, _unflatten(overrides), "")
+    cfg.validate()
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ result
+
+
+@dataclass
+class SweepResult:
+    out_dir: Path
+    records: list[dict[str, Any]]  # the pieces of this sweep's grid, from results.jsonl
+    points: list[dict[str, Any]]  # one row per (model, cache, context, batch): results.csv
+    table: str  # the markdown table of the points
+    markdown: str  # results.md: table, capacity, recommendation, plots
+    recommendations: list[dict[str, Any]]  # one per model
+    plots: list[Path]
+    skipped: int = 0  # pieces found finished in results.jsonl
+    measured: int = 0  # pieces measured by this call
+
+    @property
+    def recommendation(self) -> dict[str, Any]:
+        return self.recommendations[0]
+
+
+def record_id(model: str, spec_key: str, kind: str, context: int, batch: int) -> str:
+    return f"{model}|{spec_key}|{kind}|{context}|{batch}"
+
+
+def model_label(name: str) -> str:
+    from kvquant.models import EMBEDDED_ALIASES
+
+    return "smollm2" if name.lower() in EMBEDDED_ALIASES else name
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+
+
+# ------------------------------------------------------------------------------------------ pieces
+
+
+def _memory_point(model: Any, spec: CacheSpec, stream: torch.Tensor, context: int, batch: int, decode: int):
+    """Bytes held and peak memory of one run: prefill ``[batch, context]``, decode ``decode`` tokens."""
+    device = next(model.parameters()).device
+    cache = spec.build(model)
+    ids = prompt_tokens(stream, context, batch)  # [B, L]
+    with PeakMemory(device) as pm:
+        time_once(model, cache, ids, decode)
+    tokens = cache.get_seq_length()
+    held = cache_nbytes(cache)
+    fp16 = fp16_bytes_per_token(model)  # K + V of one position in fp16: 2 bytes per element
+    per_token = held / (tokens * batch)
+    bits = theoretical_bits(spec, model)
+    return {
+        "tokens": tokens,
+        "bytes": held,
+        "bytes_per_token": per_token,
+        "effective_bits": 16.0 * per_token / fp16,
+        "effective_bits_16bit": 16.0 * cache_nbytes_16bit(cache) / (tokens * batch) / fp16,
+        "theoretical_bits": bits,
+        "peak_bytes": pm.peak_bytes,
+        "peak_method": pm.method,
+        "peak_rss_bytes": pm.peak_rss_bytes,
+    }
+
+
+def _oom(exc: BaseException) -> dict[str, Any]:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"error": f"out of memory ({' '.join(str(exc).split())[:200]})"}
+
+
+class _ModelRun:
+    """The pieces of one model: quality per cache, memory and speed per grid point."""
+
+    def __init__(self, cfg, label, specs, done, jsonl, model_dir, model, tok, corpus_section, corpus):
+        self.cfg, self.label, self.specs, self.done, self.jsonl = cfg, label, specs, done, jsonl
+        self.model, self.tok = model, tok
+        self.bar = partial(_tqdm, enabled=cfg.progress)
+        self.measured = 0
+        ecfg = cfg.eval_config(label, corpus_section)
+        self.ids = tokenize(tok, corpus.text)  # [N]
+        limit = _max_context(model)
+        q = cfg.quality
+        if limit is not None:
+            if q.prefix_len + q.score_len > limit:
+                raise SweepError(
+                    f"quality.prefix_len + quality.score_len: {q.prefix_len + q.score_len} tokens is beyond "
+                    f"{label}'s limit of {limit} (max_position_embeddings)"
+                )
+            too_long = [c for c in cfg.grid.contexts if c + cfg.speed.decode_tokens > limit]
+            if too_long:
+                raise SweepError(
+                    f"grid.contexts: {too_long[0]} + {cfg.speed.decode_tokens} decoded tokens is beyond "
+                    f"{label}'s limit of {limit} (max_position_embeddings)"
+                )
+        windows = make_windows(self.ids, q.prefix_len, q.score_len, q.windows, cfg.corpus.name)
+        self.ctx = _Context(ecfg, model, tok, windows, self.ids, [], model_dir, self.bar)
+
+    def _id(self, spec: CacheSpec, kind: str, context: int, batch: int) -> str:
+        return record_id(self.label, spec.key, kind, context, batch)
+
+    def _save(
+        self, spec: CacheSpec, kind: str, context: int, batch: int, data: dict[str, Any], seconds: float
+    ):
+        rid = self._id(spec, kind, context, batch)
+        record = {
+            "id": rid,
+            "model": self.label,
+            "cache": spec.name,
+            "key": spec.key,
+            "cache_kind": spec.kind,
+            "kind": kind,
+            "context": context,
+            "batch": batch,
+            "settings": spec.settings,
+            kind: data,
+            "seconds": seconds,
+        }
+        _append_record(self.jsonl, record)
+        self.done[rid] = record
+        self.measured += 1
+
+    def quality(self) -> None:
+        p = self.cfg.quality.prefix_len
+        for spec in self.specs:
+            if self._id(spec, "quality", p, 1) in self.done:
+                continue
+            t0 = time.perf_counter()
+            rec = self.ctx.evaluate(spec)  # the harness's quality task (baseline computed once)
+            self._save(spec, "quality", p, 1, rec["quality"], time.perf_counter() - t0)
+            logger.info("%s %s: quality done", self.label, spec.name)
+
+    def point(self, context: int, batch: int) -> None:
+        decode = self.cfg.speed.decode_tokens
+        for spec in self.specs:
+            if self._id(spec, "memory", context, batch) in self.done:
+                continue
+            t0 = time.perf_counter()
+            try:
+                data = _memory_point(self.model, spec, self.ids, context, batch, decode)
+            except torch.OutOfMemoryError as exc:
+                data = _oom(exc)
+            self._save(spec, "memory", context, batch, data, time.perf_counter() - t0)
+        pending = [s for s in self.specs if self._id(s, "speed", context, batch) not in self.done]
+        if not pending:
+            return
+
+        def fits(s: CacheSpec) -> bool:
+            return "error" not in self.done[self._id(s, "memory", context, batch)]["memory"]
+
+        dynamic = self.specs[0]  # resolve_specs puts dynamic first
+        reference = fits(dynamic)
+        for s in [s for s in pending if not fits(s)]:
+            self._save(s, "speed", context, batch, {"error": "skipped: the memory run did not fit"}, 0.0)
+        pending = [s for s in pending if fits(s)]
+        if not pending:
+            return
+        builds = {"dynamic": dynamic.build} if reference else {}
+        for s in pending:
+            if s.kind != "dynamic":
+                builds[s.key] = s.build
+        t0 = time.perf_counter()
+        try:
+            rows = measure_speed(
+                self.model,
+                {name: partial(build, self.model) for name, build in builds.items()},
+                self.ids,
+                context_lengths=[context],
+                batch_sizes=[batch],
+                decode_tokens=decode,
+                warmup=self.cfg.speed.warmup,
+                repeats=self.cfg.speed.repeats,
+                progress=self.bar,
+            )
+        except torch.OutOfMemoryError as exc:
+            for s in pending:
+                self._save(s, "speed", context, batch, _oom(exc), 0.0)
+            return
+        seconds = (time.perf_counter() - t0) / len(pending)
+        ref = rows.get("dynamic")
+        for s in pending:
+            own = rows["dynamic" if s.kind == "dynamic" else s.key]
+            row = with_ratios(own, ref)[0] if ref else dict(own[0])
+            if ref:
+                row["reference_decode_tok_s"] = ref[0]["decode_tok_s"]
+                row["reference_prefill_ms"] = ref[0]["prefill_ms"]
+            row["interleaved_with"] = len(builds)
+            self._save(s, "speed", context, batch, row, seconds)
+        logger.info("%s context %d batch %d: speed done", self.label, context, batch)
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def _corpus(cfg: SweepConfig) -> tuple[CorpusSection, Any]:
+    c = cfg.corpus
+    section = CorpusSection(c.name, c.text_field, c.join)
+    missing = c.name not in ("embedded", "wikitext2") and not Path(c.name).expanduser().is_file()
+    if missing or c.name == "wikitext2":
+        try:
+            if missing:
+                raise EvalError(f"corpus: no such file {c.name!r}")
+            return section, load_corpus(section)
+        except EvalError as exc:
+            if c.fallback is None:
+                raise SweepError(f"corpus.name: {' '.join(str(exc).split())}") from None
+            logger.warning("corpus %r unavailable (%s); using corpus.fallback %r", c.name, exc, c.fallback)
+            section = CorpusSection(c.fallback, c.text_field, c.join)
+    return section, load_corpus(section)
+
+
+def _identity(cfg: SweepConfig, corpus: Any, fingerprint: str) -> str:
+    what = {
+        "model": dataclasses.asdict(cfg.model),
+        "corpus_sha256": corpus.info["sha256"],
+        "quality": dataclasses.asdict(cfg.quality),
+        "speed": dataclasses.asdict(cfg.speed),
+        "seed": cfg.seed,
+        "model_object": fingerprint,
+    }
+    return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _release(model: Any) -> None:
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_sweep(
+    config: SweepConfig | dict[str, Any] | str | Path | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+) -> SweepResult:
+    """Run (or resume) a sweep and write its report; bad input raises :class:`SweepError` /
+    :class:`EvalError` (see the module docstring for what is measured and written).
+
+    ``model`` / ``tokenizer``: one model object to sweep instead of loading ``config.models``
+    (labelled by its ``model_type``).
+
+    Example:
+        >>> result = run_sweep("default", overrides={"caches": ["dynamic", "int8"], "out": "runs/s"})
+        >>> result.points[0]["decode_tok_s"], result.plots[0].name
+    """
+    from kvquant.eval.sweep_report import build_report
+
+    cfg = load_sweep_config(config, overrides)
+    specs = resolve_specs(cfg.caches)
+    corpus_section, corpus = _corpus(cfg)
+    if model is not None:
+        if tokenizer is None:
+            raise SweepError("run_sweep: a model object needs its tokenizer (tokenizer=...)")
+        fingerprint = _model_fingerprint(model)
+        labels = [model.config.model_type]
+    else:
+        fingerprint = ""
+        labels = [model_label(m) for m in cfg.models]
+    out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
+    out.mkdir(parents=True, exist_ok=True)
+    identity = _identity(cfg, corpus, fingerprint)
+    stamp = out / "sweep.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("identity") != identity:
+        raise SweepError(
+            f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
+            "choose another --out (the grid and the caches may change between runs, not those)"
+        )
+    _write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    (out / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                **cfg.to_dict(),
+                "resolved_caches": {s.name: s.settings for s in specs},
+                "corpus_used": corpus.info,
+            },
+            sort_keys=False,
+        )
+    )
+    jsonl = out / "results.jsonl"
+    done = {r["id"]: r for r in _read_records(jsonl) if "id" in r}
+    grid = [(c, b) for c in sorted(cfg.grid.contexts) for b in sorted(cfg.grid.batches)]
+    skipped = measured = 0
+    model_configs: dict[str, Any] = {}
+    devices: list[str] = []
+    for name, label in zip(cfg.models if model is None else [None], labels, strict=True):
+        ids = [record_id(label, s.key, "quality", cfg.quality.prefix_len, 1) for s in specs]
+        ids += [record_id(label, s.key, k, c, b) for s in specs for c, b in grid for k in ("memory", "speed")]
+        todo = [i for i in ids if i not in done]
+        skipped += len(ids) - len(todo)
+        if not todo:
+            logger.info("%s: every piece finished in an earlier run", label)
+            if model is not None:
+                model_configs[label] = model.config
+            else:
+                from kvquant.plan import load_config as plan_config
+
+                model_configs[label] = plan_config(name)
+            continue
+        if model is None:
+            m, tok = _load_model(cfg.eval_config(name, corpus_section))
+        else:
+            m, tok = model, tokenizer
+        model_dir = out / "models" / _safe(label)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        device = next(m.parameters()).device
+        devices.append(str(device))
+        _write_json(model_dir / "env.json", environment(device))
+        for spec in specs:  # fail on an unusable cache before any slow work
+            try:
+                spec.build(m)
+            except (ValueError, ImportError) as exc:
+                raise SweepError(f"caches: {spec.name!r}: {' '.join(str(exc).split())}") from None
+        run = _ModelRun(cfg, label, specs, done, jsonl, model_dir, m, tok, corpus_section, corpus)
+        try:
+            run.quality()
+            for context, batch in run.bar(grid, desc=f"{label} grid"):
+                run.point(context, batch)
+        finally:
+            measured += run.measured
+        model_configs[label] = m.config
+        if model is None:
+            del run
+            _release(m)
+    report = build_report(cfg, specs, labels, done, model_configs, corpus.info, out)
+    return SweepResult(
+        out_dir=out,
+        records=report["records"],
+        points=report["points"],
+        table=report["table"],
+        markdown=report["markdown"],
+        recommendations=report["recommendations"],
+        plots=report["plots"],
+        skipped=skipped,
+        measured=measured,
+    )
