@@ -296,6 +296,61 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+# ------------------------------------------------------------------------------------------ sweep
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvquant.eval.config import EvalError, parse_set
+    from kvquant.eval.sweep import run_sweep
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kvquant sweep: %(message)s"))
+    log = logging.getLogger("kvquant.eval")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if not args.no_progress else logging.WARNING)
+    try:
+        overrides = parse_set(args.set or [])
+        if args.out is not None:
+            overrides["out"] = args.out
+        if args.no_progress:
+            overrides["progress"] = False
+        if args.budget_kl is not None or args.budget_dppl is not None:  # the flags replace the YAML's budget
+            overrides["recommend.max_kl"] = args.budget_kl
+            overrides["recommend.max_dppl_pct"] = args.budget_dppl
+        result = run_sweep(args.config, overrides=overrides)
+    except EvalError as exc:
+        print(f"kvquant sweep: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    finally:
+        log.removeHandler(handler)
+    print(result.table)
+    print()
+    for rec in result.recommendations:
+        print(("" if len(result.recommendations) == 1 else f"{rec['model']}: ") + rec["text"])
+    print(f"\nresults: {result.out_dir} (results.md, results.csv, results.jsonl, plots/)")
+    return 0
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="cache configs x context lengths x batch sizes: table, plots and a recommendation",
+        description="Settings: the sweep YAML -> --set KEY=VALUE -> the flags below. "
+        "See configs/sweep_default.yaml (every key, commented) and README.md.",
+    )
+    p.add_argument("config", help="sweep YAML, or a name shipped in configs/ (default: sweep_default.yaml)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/sweep-<name>); reruns resume")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. grid.contexts=[256]"
+    )
+    p.add_argument("--budget-kl", type=float, default=None, help="quality budget: mean KL vs DynamicCache")
+    p.add_argument("--budget-dppl", type=float, default=None, help="quality budget: Δppl vs DynamicCache, %%")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars or progress messages")
+    p.set_defaults(func=_cmd_sweep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
@@ -306,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_bench(sub)
     _add_plan(sub)
+    _add_sweep(sub)
     _add_calibrate(sub)
     return parser
 
