@@ -351,6 +351,61 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_sweep)
 
 
+# ------------------------------------------------------------------------------------------ tune
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from kvquant.eval.config import CorpusSection
+    from kvquant.eval.corpus import load_corpus, make_windows, tokenize
+    from kvquant.models import load_model
+    from kvquant.tune import tune
+
+    try:
+        if args.windows < 1 or args.window_len < 2:
+            raise ValueError("--windows must be >= 1 and --window-len >= 2")
+        corpus = load_corpus(CorpusSection(name=args.corpus))
+        model, tok = load_model(args.model)
+        ids = make_windows(tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows)
+        result = tune(
+            model,
+            ids,
+            budget_kl=args.budget_kl,
+            budget_bits=args.budget_bits,
+            base=args.base,
+            progress=not args.no_progress,
+        )
+        result.config.to_yaml(args.out)
+    except Exception as exc:  # one line, exit 2: bad input, not a traceback
+        print(f"kvquant tune: error: {exc}", file=sys.stderr)
+        return 2
+    print("layer  rung   " + "  ".join(f"{r:>8s}" for r in result.sensitivity))
+    for i, rung in enumerate(result.rungs):
+        kls = "  ".join(f"{result.sensitivity[r][i]:8.5f}" for r in result.sensitivity)
+        print(f"{i:5d}  {rung:5s}  {kls}")
+    print(result.summary())
+    print(f"wrote {args.out}; measure it: kvquant eval --caches {args.out}")
+    return 0 if result.met else 1
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune", help="per-layer K/V bit allocation meeting a KL or bits budget (writes a config YAML)"
+    )
+    p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
+    p.add_argument(
+        "--corpus", default="embedded", help="calibration text: 'embedded', 'wikitext2' or a local file"
+    )
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-kl", type=float, help="largest predicted mean KL vs full precision")
+    budget.add_argument("--budget-bits", type=float, help="largest mean format bits per element")
+    p.add_argument("--base", default=None, help="preset / YAML with the shared settings (default: nuq ladder)")
+    p.add_argument("--windows", type=int, default=2, help="calibration windows")
+    p.add_argument("--window-len", type=int, default=512, help="tokens per window (the second half is scored)")
+    p.add_argument("--out", required=True, help="output config (.yaml)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_tune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
@@ -363,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_sweep(sub)
     _add_calibrate(sub)
+    _add_tune(sub)
     return parser
 
 
