@@ -365,7 +365,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             raise ValueError("--windows must be >= 1 and --window-len >= 2")
         corpus = load_corpus(CorpusSection(name=args.corpus))
         model, tok = load_model(args.model)
-        ids = make_windows(tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows)
+        ids = make_windows(
+            tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows
+        )
         result = tune(
             model,
             ids,
@@ -398,9 +400,13 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget-kl", type=float, help="largest predicted mean KL vs full precision")
     budget.add_argument("--budget-bits", type=float, help="largest mean format bits per element")
-    p.add_argument("--base", default=None, help="preset / YAML with the shared settings (default: nuq ladder)")
+    p.add_argument(
+        "--base", default=None, help="preset / YAML with the shared settings (default: nuq ladder)"
+    )
     p.add_argument("--windows", type=int, default=2, help="calibration windows")
-    p.add_argument("--window-len", type=int, default=512, help="tokens per window (the second half is scored)")
+    p.add_argument(
+        "--window-len", type=int, default=512, help="tokens per window (the second half is scored)"
+    )
     p.add_argument("--out", required=True, help="output config (.yaml)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_tune)
