@@ -157,10 +157,11 @@ def plot_quality_vs_bits(
                 ax.annotate(
                     ", ".join(group),
                     (x, y),
-                    xytext=(7, 7) if i % 2 == 0 else (7, -14),
+                    xytext=(12, 12) if i % 2 == 0 else (12, -18),
                     textcoords="offset points",
                     fontsize=8,
                     color="0.2",
+                    arrowprops={"arrowstyle": "-", "color": "0.55", "lw": 0.6, "shrinkB": 6},
                 )
         values = [c[metric] for c in pts]
         positive = [abs(v) for v in values if v != 0]
@@ -214,9 +215,9 @@ def _series(rows: list[dict[str, Any]], batch: int, fields: tuple[str, ...]) -> 
     return out
 
 
-def _lines(ax, series: dict, field: str, style: dict) -> None:
+def _lines(ax, series: dict, field: str, style: dict) -> list[str]:
     """One line per cache; a line equal to one drawn before it is dashed with hollow markers (so
-    both stay visible) and named in a note in the corner."""
+    both stay visible). Returns ``"b = a"`` for each such pair, for the legend."""
     seen: dict[tuple, str] = {}
     same = []
     for name, s in series.items():
@@ -231,9 +232,16 @@ def _lines(ax, series: dict, field: str, style: dict) -> None:
             kw.update(ls=(0, (4, 3)), markerfacecolor="none", ms=9)
         seen.setdefault(key, name)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **kw)
-    if same:
-        ax.text(0.99, 0.02, "same values: " + ", ".join(same), transform=ax.transAxes, ha="right",
-                va="bottom", fontsize=8, color="0.3")  # fmt: skip
+    return same
+
+
+def _same_entries(pairs: list[str]) -> list:
+    """Legend rows (no symbol) naming caches whose lines coincide in some panel."""
+    from matplotlib.lines import Line2D
+
+    rows = list(dict.fromkeys(pairs))
+    blank = Line2D([], [], ls="none")
+    return [(blank, "same values:")] + [(blank, p) for p in rows] if rows else []
 
 
 def plot_decode_speed(rows: list[dict[str, Any]], path: Path, style: dict, title: str = "") -> Path:
@@ -241,15 +249,16 @@ def plot_decode_speed(rows: list[dict[str, Any]], path: Path, style: dict, title
     batches = sorted({r["batch"] for r in rows})
     contexts = sorted({r["context"] for r in rows})
     data: dict[str, Any] = {"batches": {}}
-    fig = _figure(5.2 * len(batches) + 2.6, 7.5)
+    same: list[str] = []
+    fig = _figure(5.2 * len(batches) + 3.4, 7.5)
     axes = fig.subplots(2, len(batches), squeeze=False, sharex=True)
     for j, b in enumerate(batches):
         tok = _series(rows, b, ("decode_tok_s",))
         ratio = _series(rows, b, ("decode_x",))
         data["batches"][str(b)] = {"decode_tok_s": tok, "decode_x": ratio}
         top, bottom = axes[0][j], axes[1][j]
-        _lines(top, tok, "decode_tok_s", style)
-        _lines(bottom, ratio, "decode_x", style)
+        same += _lines(top, tok, "decode_tok_s", style)
+        same += _lines(bottom, ratio, "decode_x", style)
         bottom.axhline(1.0, color="0.5", lw=0.9, ls=":")
         top.set_title(f"batch {b}")
         top.set_ylabel("decode throughput [tokens / s]")
@@ -258,7 +267,7 @@ def plot_decode_speed(rows: list[dict[str, Any]], path: Path, style: dict, title
             _context_axis(ax, contexts)
         top.set_xlabel("")
     fig.suptitle(title or "Decode speed against context")
-    _legend(fig, axes.flat)
+    _legend(fig, axes.flat, _same_entries(same))
     return _save(fig, data, path)
 
 
@@ -267,7 +276,8 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, style: dict, title: str 
     batches = sorted({r["batch"] for r in rows})
     contexts = sorted({r["context"] for r in rows})
     data: dict[str, Any] = {"batches": {}}
-    fig = _figure(5.2 * len(batches) + 2.6, 7.5)
+    same: list[str] = []
+    fig = _figure(5.2 * len(batches) + 3.4, 7.5)
     axes = fig.subplots(2, len(batches), squeeze=False, sharex=True)
     for j, b in enumerate(batches):
         held = _series(rows, b, ("bytes_per_token",))
@@ -275,8 +285,8 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, style: dict, title: str 
         data["batches"][str(b)] = {"bytes_per_token": held, "peak_mib": peak}
         top, bottom = axes[0][j], axes[1][j]
         _plain_log_y(top)
-        _lines(top, held, "bytes_per_token", style)
-        _lines(bottom, peak, "peak_mib", style)
+        same += _lines(top, held, "bytes_per_token", style)
+        same += _lines(bottom, peak, "peak_mib", style)
         top.set_title(f"batch {b}")
         top.set_ylabel("KV bytes held per token [B] (all layers, K+V)")
         bottom.set_ylabel("peak memory of the run [MiB]")
@@ -284,7 +294,7 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, style: dict, title: str 
             _context_axis(ax, contexts)
         top.set_xlabel("")
     fig.suptitle(title or "Memory against context")
-    _legend(fig, axes.flat)
+    _legend(fig, axes.flat, _same_entries(same))
     return _save(fig, data, path)
 
 
@@ -297,10 +307,10 @@ def plot_capacity(cap: dict[str, Any], path: Path, style: dict, title: str = "")
     }  # fmt: skip
     data = {k: cap[k] for k in ("budget", "weights_dtype", "kv_dtype", "reserve", "contexts")}
     data["series"] = series
-    fig = _figure(9, 5.5)
+    fig = _figure(10, 5.5)
     ax = fig.subplots()
     _plain_log_y(ax)  # before the lines: sequences that do not fit (0) are left out
-    _lines(ax, series, "max_sequences", style)
+    same = _lines(ax, series, "max_sequences", style)
     _context_axis(ax, contexts)
     ax.set_ylabel(f"max concurrent sequences in {cap['budget']}")
     note = f"weights {cap['weights_dtype']}, KV {cap['kv_dtype']}, {cap['reserve']} reserve"
@@ -308,7 +318,7 @@ def plot_capacity(cap: dict[str, Any], path: Path, style: dict, title: str = "")
         note += f"; not modelled: {', '.join(cap['not_modelled'])}"
     ax.set_title(note, fontsize=9)
     fig.suptitle(title or f"Capacity at {cap['budget']} (kvquant plan)")
-    _legend(fig, [ax])
+    _legend(fig, [ax], _same_entries(same))
     return _save(fig, data, path)
 
 
