@@ -153,12 +153,17 @@ def plot_quality_vs_bits(
             names: dict[tuple[float, float], list[str]] = {}
             for x, y, name in on:  # one label per spot: caches with equal numbers share it
                 names.setdefault((x, y), []).append(name)
-            for i, ((x, y), group) in enumerate(names.items()):  # alternately above and below
+            # Below-left of a front point nothing is drawn (a point there would dominate it, and
+            # the front runs up-left and down-right): labels go there, the leftmost one below-right.
+            for i, ((x, y), group) in enumerate(names.items()):
+                left = i > 0
                 ax.annotate(
                     ", ".join(group),
                     (x, y),
-                    xytext=(12, 12) if i % 2 == 0 else (12, -18),
+                    xytext=(-9, -13) if left else (9, -13),
                     textcoords="offset points",
+                    ha="right" if left else "left",
+                    va="top",
                     fontsize=8,
                     color="0.2",
                     arrowprops={"arrowstyle": "-", "color": "0.55", "lw": 0.6, "shrinkB": 6},
@@ -169,6 +174,7 @@ def plot_quality_vs_bits(
         if metric == "delta_ppl_pct":
             lin = max(lin, 0.1)
         ax.set_yscale("symlog", linthresh=lin)
+        ax.margins(y=0.12)  # room for the labels below the lowest points
         ax.axhline(0, color="0.6", lw=0.8)
         if limit is not None:
             ax.axhline(limit, color="tab:red", lw=1, ls=":", zorder=1)

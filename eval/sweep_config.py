@@ -63,7 +63,7 @@ class SweepQuality:
 
 @dataclass
 class SweepGrid:
-    contexts: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048])
     batches: list[int] = field(default_factory=lambda: [1])
 
 
