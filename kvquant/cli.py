@@ -340,7 +340,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
         description="Settings: the sweep YAML -> --set KEY=VALUE -> the flags below. "
         "See configs/sweep_default.yaml (every key, commented) and README.md.",
     )
-    p.add_argument("config", help="sweep YAML, or a name shipped in configs/ (default: sweep_default.yaml)")
+    p.add_argument("config", help="sweep YAML, or a shipped name (default = configs/sweep_default.yaml)")
     p.add_argument("--out", default=None, help="output folder (default: runs/sweep-<name>); reruns resume")
     p.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. grid.contexts=[256]"
