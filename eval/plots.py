@@ -250,8 +250,18 @@ def _same_entries(pairs: list[str]) -> list:
     return [(blank, "same values:")] + [(blank, p) for p in rows] if rows else []
 
 
-def plot_decode_speed(rows: list[dict[str, Any]], path: Path, style: dict, title: str = "") -> Path:
-    """Per batch: decode tokens/s (top) and its ratio to the interleaved DynamicCache (bottom)."""
+def _two_panels_per_batch(
+    rows: list[dict[str, Any]],
+    path: Path,
+    style: dict,
+    title: str,
+    top: tuple[str, str],
+    bottom: tuple[str, str],
+    *,
+    log_top: bool = False,
+    bottom_ref: float | None = None,
+) -> Path:
+    """One column per batch: metric ``top[0]`` above ``bottom[0]`` against context (``[1]``: y label)."""
     batches = sorted({r["batch"] for r in rows})
     contexts = sorted({r["context"] for r in rows})
     data: dict[str, Any] = {"batches": {}}
@@ -259,49 +269,51 @@ def plot_decode_speed(rows: list[dict[str, Any]], path: Path, style: dict, title
     fig = _figure(5.2 * len(batches) + 3.4, 7.5)
     axes = fig.subplots(2, len(batches), squeeze=False, sharex=True)
     for j, b in enumerate(batches):
-        tok = _series(rows, b, ("decode_tok_s",))
-        ratio = _series(rows, b, ("decode_x",))
-        data["batches"][str(b)] = {"decode_tok_s": tok, "decode_x": ratio}
-        top, bottom = axes[0][j], axes[1][j]
-        same += _lines(top, tok, "decode_tok_s", style)
-        same += _lines(bottom, ratio, "decode_x", style)
-        bottom.axhline(1.0, color="0.5", lw=0.9, ls=":")
-        top.set_title(f"batch {b}")
-        top.set_ylabel("decode throughput [tokens / s]")
-        bottom.set_ylabel("decode speed ÷ DynamicCache (same run)")
-        for ax in (top, bottom):
+        up = _series(rows, b, (top[0],))
+        down = _series(rows, b, (bottom[0],))
+        data["batches"][str(b)] = {top[0]: up, bottom[0]: down}
+        ax_top, ax_bottom = axes[0][j], axes[1][j]
+        if log_top:
+            _plain_log_y(ax_top)
+        same += _lines(ax_top, up, top[0], style)
+        same += _lines(ax_bottom, down, bottom[0], style)
+        if bottom_ref is not None:
+            ax_bottom.axhline(bottom_ref, color="0.5", lw=0.9, ls=":")
+        ax_top.set_title(f"batch {b}")
+        ax_top.set_ylabel(top[1])
+        ax_bottom.set_ylabel(bottom[1])
+        for ax in (ax_top, ax_bottom):
             _context_axis(ax, contexts)
-        top.set_xlabel("")
-    fig.suptitle(title or "Decode speed against context")
+        ax_top.set_xlabel("")
+    fig.suptitle(title)
     _legend(fig, axes.flat, _same_entries(same))
     return _save(fig, data, path)
+
+
+def plot_decode_speed(rows: list[dict[str, Any]], path: Path, style: dict, title: str = "") -> Path:
+    """Per batch: decode tokens/s (top) and its ratio to the interleaved DynamicCache (bottom)."""
+    return _two_panels_per_batch(
+        rows,
+        path,
+        style,
+        title or "Decode speed against context",
+        ("decode_tok_s", "decode throughput [tokens / s]"),
+        ("decode_x", "decode speed ÷ DynamicCache (same run)"),
+        bottom_ref=1.0,
+    )
 
 
 def plot_memory(rows: list[dict[str, Any]], path: Path, style: dict, title: str = "") -> Path:
     """Per batch: bytes per token the cache holds (top) and peak memory of the run (bottom)."""
-    batches = sorted({r["batch"] for r in rows})
-    contexts = sorted({r["context"] for r in rows})
-    data: dict[str, Any] = {"batches": {}}
-    same: list[str] = []
-    fig = _figure(5.2 * len(batches) + 3.4, 7.5)
-    axes = fig.subplots(2, len(batches), squeeze=False, sharex=True)
-    for j, b in enumerate(batches):
-        held = _series(rows, b, ("bytes_per_token",))
-        peak = _series(rows, b, ("peak_mib",))
-        data["batches"][str(b)] = {"bytes_per_token": held, "peak_mib": peak}
-        top, bottom = axes[0][j], axes[1][j]
-        _plain_log_y(top)
-        same += _lines(top, held, "bytes_per_token", style)
-        same += _lines(bottom, peak, "peak_mib", style)
-        top.set_title(f"batch {b}")
-        top.set_ylabel("KV bytes held per token [B] (all layers, K+V)")
-        bottom.set_ylabel("peak memory of the run [MiB]")
-        for ax in (top, bottom):
-            _context_axis(ax, contexts)
-        top.set_xlabel("")
-    fig.suptitle(title or "Memory against context")
-    _legend(fig, axes.flat, _same_entries(same))
-    return _save(fig, data, path)
+    return _two_panels_per_batch(
+        rows,
+        path,
+        style,
+        title or "Memory against context",
+        ("bytes_per_token", "KV bytes held per token [B] (all layers, K+V)"),
+        ("peak_mib", "peak memory of the run [MiB]"),
+        log_top=True,
+    )
 
 
 def plot_capacity(cap: dict[str, Any], path: Path, style: dict, title: str = "") -> Path:
