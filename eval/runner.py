@@ -70,7 +70,7 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _load_model(cfg: EvalConfig) -> tuple[Any, Any]:
+def load_eval_model(cfg: EvalConfig) -> tuple[Any, Any]:
     from transformers.utils import logging as hf_logging
 
     from kvquant.models import load_model
@@ -96,7 +96,7 @@ def _load_model(cfg: EvalConfig) -> tuple[Any, Any]:
             hf_logging.enable_progress_bar()
 
 
-def _model_fingerprint(model: Any) -> str:
+def model_fingerprint(model: Any) -> str:
     """Identity of a model object passed in (not loaded by name): config + a parameter checksum."""
     h = hashlib.sha1(model.config.to_json_string().encode())
     with torch.no_grad():
@@ -104,7 +104,7 @@ def _model_fingerprint(model: Any) -> str:
     return h.hexdigest()[:12]
 
 
-def _max_context(model: Any) -> int | None:
+def model_max_context(model: Any) -> int | None:
     cfg = model.config.get_text_config(decoder=True)
     return getattr(cfg, "max_position_embeddings", None)
 
@@ -146,7 +146,7 @@ def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[in
             )
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
     records = []
     if not path.is_file():
         return records
@@ -158,14 +158,14 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _append_record(path: Path, record: dict[str, Any]) -> None:
+def append_record(path: Path, record: dict[str, Any]) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
@@ -192,7 +192,7 @@ def run_eval(
     specs = resolve_specs(cfg.caches) + list(caches or [])
     corpus = load_corpus(cfg.corpus)
     if model is None:
-        model, tokenizer = _load_model(cfg)
+        model, tokenizer = load_eval_model(cfg)
         model_label = (
             "smollm2"
             if cfg.model.name.lower() in ("smollm2", "default", "smollm2-135m-instruct")
@@ -202,9 +202,9 @@ def run_eval(
     else:
         if tokenizer is None:
             raise EvalError("run_eval: a model object needs its tokenizer (tokenizer=...)")
-        model_label, fingerprint = model.config.model_type, _model_fingerprint(model)
+        model_label, fingerprint = model.config.model_type, model_fingerprint(model)
     device = next(model.parameters()).device
-    limit = _max_context(model)
+    limit = model_max_context(model)
     retrieval_lengths = _resolve_lengths(cfg, limit)
     _check_limits(cfg, limit, retrieval_lengths)
 
@@ -231,14 +231,14 @@ def run_eval(
         raise EvalError(
             f"output: {str(run_dir)!r} holds a run of another configuration; choose another output.name"
         )
-    _write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
     (run_dir / "config.yaml").write_text(
         yaml.safe_dump(
             {**cfg.to_dict(), "resolved_caches": {s.name: s.settings for s in specs}}, sort_keys=False
         )
     )
     env = environment(device)
-    _write_json(run_dir / "env.json", env)
+    write_json(run_dir / "env.json", env)
 
     layers, kv_heads, head_dim = kv_geometry(model)
     run_info = {
@@ -259,31 +259,31 @@ def run_eval(
         "windows": {"count": q.windows, "prefix_len": q.prefix_len, "score_len": q.score_len},
         "retrieval_lengths": retrieval_lengths,
     }
-    bar = partial(_tqdm, enabled=cfg.progress)
-    ctx = _Context(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar)
+    bar = partial(progress_bar, enabled=cfg.progress)
+    ctx = EvalContext(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar)
 
     jsonl = run_dir / "results.jsonl"
-    done = {r["key"]: r for r in _read_records(jsonl)}
+    done = {r["key"]: r for r in read_records(jsonl)}
     skipped = [s.name for s in specs if s.key in done]
     for s in skipped:
         logger.info("%s: finished in an earlier run, skipped", s)
     for spec in bar([s for s in specs if s.key not in done], desc="caches"):
         record = ctx.evaluate(spec)
-        _append_record(jsonl, record)
+        append_record(jsonl, record)
         done[spec.key] = record
         logger.info("%s: done in %.1f s", spec.name, record["seconds"])
 
     order = [s.key for s in specs]
     records = [done[k] for k in order] + [r for k, r in done.items() if k not in order]
     table = markdown_table(records)
-    _write_json(
+    write_json(
         run_dir / "results.json", {**run_info, "config": cfg.to_dict(), "env": env, "records": records}
     )
     (run_dir / "results.md").write_text(table + "\n")
     return EvalResult(run_dir, records, table, skipped)
 
 
-def _tqdm(iterable, *, enabled: bool, **kwargs):
+def progress_bar(iterable, *, enabled: bool, **kwargs):
     if not enabled:
         return iterable
     from tqdm.auto import tqdm
@@ -291,7 +291,7 @@ def _tqdm(iterable, *, enabled: bool, **kwargs):
     return tqdm(iterable, dynamic_ncols=True, **kwargs)
 
 
-class _Context:
+class EvalContext:
     """What every cache's evaluation shares: model, tokenizer, windows, the baseline."""
 
     def __init__(self, cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar):

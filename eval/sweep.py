@@ -5,7 +5,7 @@ cache specs (as ``kvquant eval --cache`` takes them), the quality settings and t
 model it measures, as separate pieces, each appended to ``results.jsonl`` the moment it finishes:
 
 - ``quality`` per cache: teacher-forced decode-mode KL / Δppl / top-1 against DynamicCache, by the
-  harness's own quality task (``runner._Context``: baseline once, kept in ``baseline_logprobs.pt``);
+  harness's own quality task (``runner.EvalContext``: baseline once, kept in ``baseline_logprobs.pt``);
 - ``memory`` per (cache, context, batch): a fresh cache prefills ``[batch, context]`` tokens and
   decodes ``speed.decode_tokens`` greedily (``speed.time_once``) under :class:`PeakMemory`; the bytes
   the cache then holds (``cache_nbytes``: codes, scales, zeros, full-precision sink / residual) give
@@ -55,14 +55,14 @@ from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.memory import PeakMemory
 from kvquant.eval.report import environment
 from kvquant.eval.runner import (
-    _append_record,
-    _Context,
-    _load_model,
-    _max_context,
-    _model_fingerprint,
-    _read_records,
-    _tqdm,
-    _write_json,
+    EvalContext,
+    append_record,
+    load_eval_model,
+    model_fingerprint,
+    model_max_context,
+    progress_bar,
+    read_records,
+    write_json,
 )
 from kvquant.eval.speed import measure_speed, prompt_tokens, time_once, with_ratios
 from kvquant.eval.sweep_config import (  # noqa: F401  (re-exported: the sweep's public API)
@@ -152,11 +152,11 @@ class _ModelRun:
     def __init__(self, cfg, label, specs, done, jsonl, model_dir, model, tok, corpus_section, corpus):
         self.cfg, self.label, self.specs, self.done, self.jsonl = cfg, label, specs, done, jsonl
         self.model, self.tok = model, tok
-        self.bar = partial(_tqdm, enabled=cfg.progress)
+        self.bar = partial(progress_bar, enabled=cfg.progress)
         self.measured = 0
         ecfg = cfg.eval_config(label, corpus_section)
         self.ids = tokenize(tok, corpus.text)  # [N]
-        limit = _max_context(model)
+        limit = model_max_context(model)
         q = cfg.quality
         if limit is not None:
             if q.prefix_len + q.score_len > limit:
@@ -171,7 +171,7 @@ class _ModelRun:
                     f"{label}'s limit of {limit} (max_position_embeddings)"
                 )
         windows = make_windows(self.ids, q.prefix_len, q.score_len, q.windows, cfg.corpus.name)
-        self.ctx = _Context(ecfg, model, tok, windows, self.ids, [], model_dir, self.bar)
+        self.ctx = EvalContext(ecfg, model, tok, windows, self.ids, [], model_dir, self.bar)
 
     def _id(self, spec: CacheSpec, kind: str, context: int, batch: int) -> str:
         return record_id(self.label, spec.key, kind, context, batch)
@@ -193,7 +193,7 @@ class _ModelRun:
             kind: data,
             "seconds": seconds,
         }
-        _append_record(self.jsonl, record)
+        append_record(self.jsonl, record)
         self.done[rid] = record
         self.measured += 1
 
@@ -330,7 +330,7 @@ def run_sweep(
     if model is not None:
         if tokenizer is None:
             raise SweepError("run_sweep: a model object needs its tokenizer (tokenizer=...)")
-        fingerprint = _model_fingerprint(model)
+        fingerprint = model_fingerprint(model)
         labels = [model.config.model_type]
     else:
         fingerprint = ""
@@ -344,7 +344,7 @@ def run_sweep(
             f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
             "choose another --out (the grid and the caches may change between runs, not those)"
         )
-    _write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
     (out / "config.yaml").write_text(
         yaml.safe_dump(
             {
@@ -356,7 +356,7 @@ def run_sweep(
         )
     )
     jsonl = out / "results.jsonl"
-    done = {r["id"]: r for r in _read_records(jsonl) if "id" in r}
+    done = {r["id"]: r for r in read_records(jsonl) if "id" in r}
     grid = [(c, b) for c in sorted(cfg.grid.contexts) for b in sorted(cfg.grid.batches)]
     skipped = measured = 0
     model_configs: dict[str, Any] = {}
@@ -376,14 +376,14 @@ def run_sweep(
                 model_configs[label] = plan_config(name)
             continue
         if model is None:
-            m, tok = _load_model(cfg.eval_config(name, corpus_section))
+            m, tok = load_eval_model(cfg.eval_config(name, corpus_section))
         else:
             m, tok = model, tokenizer
         model_dir = out / "models" / _safe(label)
         model_dir.mkdir(parents=True, exist_ok=True)
         device = next(m.parameters()).device
         devices.append(str(device))
-        _write_json(model_dir / "env.json", environment(device))
+        write_json(model_dir / "env.json", environment(device))
         for spec in specs:  # fail on an unusable cache before any slow work
             try:
                 spec.build(m)

@@ -94,7 +94,7 @@ def test_broken_cache_is_worse_in_a_run(tmp_path, tiny, byte_tok):
 def test_resume_skips_finished_configs(tmp_path, tiny, byte_tok, monkeypatch):
     overrides = {"speed.enabled": False, "retrieval.enabled": False}
     evaluated = []
-    real = runner_mod._Context.evaluate
+    real = runner_mod.EvalContext.evaluate
 
     def interrupted(self, spec):
         if spec.name == "int4":
@@ -102,7 +102,7 @@ def test_resume_skips_finished_configs(tmp_path, tiny, byte_tok, monkeypatch):
         evaluated.append(spec.name)
         return real(self, spec)
 
-    monkeypatch.setattr(runner_mod._Context, "evaluate", interrupted)
+    monkeypatch.setattr(runner_mod.EvalContext, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path, tiny, byte_tok, ["int8", "int4"], overrides=overrides)
     assert evaluated == ["dynamic", "int8"]
@@ -114,7 +114,7 @@ def test_resume_skips_finished_configs(tmp_path, tiny, byte_tok, monkeypatch):
         return real(self, spec)
 
     evaluated.clear()
-    monkeypatch.setattr(runner_mod._Context, "evaluate", counting)
+    monkeypatch.setattr(runner_mod.EvalContext, "evaluate", counting)
     result = _run(tmp_path, tiny, byte_tok, ["int8", "int4"], overrides=overrides)
     assert result.run_dir == run_dir
     assert evaluated == ["int4"] and result.skipped == ["dynamic", "int8"]

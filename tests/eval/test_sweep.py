@@ -60,7 +60,7 @@ def _points_table(markdown: str) -> list[list[str]]:
 # ------------------------------------------------------------------------------------------ resume
 
 
-REAL = (runner_mod._Context.evaluate, sweep_mod._memory_point, sweep_mod.measure_speed)
+REAL = (runner_mod.EvalContext.evaluate, sweep_mod._memory_point, sweep_mod.measure_speed)
 
 
 class Counter:
@@ -84,7 +84,7 @@ class Counter:
             self.speed.append((kw["context_lengths"][0], kw["batch_sizes"][0], sorted(builds)))
             return real_speed(model, builds, stream, **kw)
 
-        monkeypatch.setattr(runner_mod._Context, "evaluate", evaluate)
+        monkeypatch.setattr(runner_mod.EvalContext, "evaluate", evaluate)
         monkeypatch.setattr(sweep_mod, "_memory_point", memory)
         monkeypatch.setattr(sweep_mod, "measure_speed", speed)
 
