@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvquant.decode_cpu import decode_attention_torch
+from kvquant.native import decode_attention_native, native_available, native_formats_ok
 from kvquant.rotation import rotate, unrotate
 
 # formats the Triton decode kernel reads; the others decode through the chunked torch path
@@ -163,7 +164,9 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
         from kvquant.kernels import quantized_decode_attention
 
         out, lse = quantized_decode_attention(*tensors, **args)
-    else:  # CPU, or a format the Triton kernel does not read (int3, nuq*): the chunked torch path
+    elif not q.is_cuda and native_formats_ok(ks.fmt, vs.fmt) and native_available():
+        out, lse = decode_attention_native(*tensors, **args)  # CPU: the C kernel
+    else:  # no C compiler, `none`, or a format the Triton kernel does not read on GPU: chunked torch
         out, lse = decode_attention_torch(*tensors, **args)
     if rotated:
         out = unrotate(out)

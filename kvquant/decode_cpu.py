@@ -205,6 +205,7 @@ def decode_attention_torch(
             pv = _value_out(p, _codes_as_float(v_codes[:, :, c0:c1], v_fmt), v_scale, v_zero, c0, c1)
         acc = acc * corr[..., None] + pv
         m = m_new
-    out = torch.where(l_sum[..., None] > 0, acc / l_sum.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
+    # an empty row gives zeros; a NaN score (NaN in q or the store) stays NaN, as in sdpa
+    out = torch.where(l_sum[..., None] == 0, torch.zeros_like(acc), acc / l_sum.clamp_min(1e-30)[..., None])
     lse = m + torch.log(l_sum)
     return out.view(b, hq, d), lse.view(b, hq)

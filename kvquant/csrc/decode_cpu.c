@@ -1,0 +1,482 @@
+/* Decode attention over the quantized store on CPU: the native twin of
+ * kvquant.decode_cpu.decode_attention_torch (same operands, same numbers up to fp32 rounding).
+ *
+ * One (batch row, KV head) at a time: its G query heads share every key and value row read. Tokens
+ * go in blocks of BLOCK_T: each key row is unpacked into a D-wide float buffer (codes -> levels ->
+ * times scale plus zero point), dotted with the G queries; an online softmax updates the running
+ * max / sum once per block; then each value row is unpacked the same way and accumulated with its
+ * G probabilities. Nothing larger than one row per operand is ever widened: no full-precision copy
+ * of the history exists at any time.
+ *
+ * Built at first use by kvquant/native.py (cc -O3 -march=native -shared); no Python or torch
+ * headers, called through ctypes with raw pointers and element strides.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK_T 64
+
+typedef struct {
+    const uint8_t *codes;             /* [B, H, T, W] bytes, rows start at token 0 of the slice */
+    int64_t code_sb, code_sh, code_st;/* byte strides of batch, head, token (the W bytes are contiguous) */
+    const float *scale;               /* token axis: [B, H, T, ng]; channel axis: [B, H, T/group, D]; NULL: none */
+    int64_t scale_sb, scale_sh, scale_st;
+    const float *zero;                /* same layout as scale, or NULL */
+    int64_t zero_sb, zero_sh, zero_st;
+    const float *lut;                 /* code -> level table (fp8, codebooks), or NULL */
+    int32_t bits;                     /* 8, 4, 3 or 2 */
+    int32_t is_signed;                /* 8-bit codes read as int8 (symmetric int8) */
+    int32_t n_groups;                 /* token axis: scale groups per head vector */
+    int32_t channel_axis;             /* 1: one scale row per `group` tokens, D entries per row */
+    int32_t group;                    /* channel axis: tokens per scale row */
+} kvq_operand;
+
+/* exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7; vectorizes. */
+#pragma omp declare simd notinbranch
+static inline float exp_nonpos(float x) {
+    const int underflow = x < -87.0f;
+    x = underflow ? -87.0f : x;
+    const float log2e = 1.44269504088896341f;
+    float n = floorf(x * log2e + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f; /* Cody-Waite split of ln 2 */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { float f; int32_t i; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return underflow ? 0.0f : p * u.f;
+}
+
+/* Codes of one token -> code indices idx[D]. */
+static void unpack_row(const uint8_t *restrict c, int bits, int D, uint8_t *restrict idx) {
+    if (bits == 8) {
+        memcpy(idx, c, (size_t)D);
+    } else if (bits == 4) {
+        const int w = D / 2;
+        for (int j = 0; j < w; j++) { idx[j] = c[j] & 15; idx[j + w] = c[j] >> 4; }
+    } else if (bits == 2) {
+        const int w = D / 4;
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < w; j++) idx[j + k * w] = (c[j] >> (2 * k)) & 3;
+    } else { /* 3: an int2 plane (D/4 bytes), then the high bits eight per byte (D/8 bytes) */
+        const int w = D / 4, w1 = D / 8;
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < w; j++) idx[j + k * w] = (c[j] >> (2 * k)) & 3;
+        for (int k = 0; k < 8; k++)
+            for (int j = 0; j < w1; j++) idx[j + k * w1] |= ((c[w + j] >> k) & 1) << 2;
+    }
+}
+
+/* One token's dequantized row out[D] (token t of the slice, batch row b, head h). Integer codes
+ * go straight from bytes to floats (loops the compiler vectorizes at D/2 .. D/4 lanes); fp8 and
+ * codebook codes go through the operand's table. */
+static inline void load_row(const kvq_operand *o, int64_t b, int64_t h, int64_t t, int D,
+                            uint8_t *restrict idx, float *restrict out) {
+    const uint8_t *restrict c = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
+    if (o->lut) {
+        unpack_row(c, o->bits, D, idx);
+        for (int d = 0; d < D; d++) out[d] = o->lut[idx[d]];
+    } else if (o->bits == 8) {
+        if (o->is_signed) {
+            for (int d = 0; d < D; d++) out[d] = (float)(int8_t)c[d];
+        } else {
+            for (int d = 0; d < D; d++) out[d] = (float)c[d];
+        }
+    } else if (o->bits == 4) {
+        const int w = D / 2;
+        float *restrict hi = out + w; /* separate loops: one output stream each vectorizes */
+        for (int j = 0; j < w; j++) out[j] = (float)(c[j] & 15);
+        for (int j = 0; j < w; j++) hi[j] = (float)(c[j] >> 4);
+    } else if (o->bits == 2) {
+        const int w = D / 4;
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < w; j++) out[j + k * w] = (float)((c[j] >> (2 * k)) & 3);
+    } else { /* 3: int2 plane (D/4 bytes) + high bits eight per byte (D/8 bytes) */
+        const int w = D / 4, w1 = D / 8;
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < w; j++) out[j + k * w] = (float)((c[j] >> (2 * k)) & 3);
+        for (int k = 0; k < 8; k++)
+            for (int j = 0; j < w1; j++) out[j + k * w1] += (float)(((c[w + j] >> k) & 1) << 2);
+    }
+    if (!o->scale) return;
+    if (o->channel_axis) {
+        const int64_t row = t / o->group;
+        const float *s = o->scale + b * o->scale_sb + h * o->scale_sh + row * o->scale_st;
+        if (o->zero) {
+            const float *z = o->zero + b * o->zero_sb + h * o->zero_sh + row * o->zero_st;
+            for (int d = 0; d < D; d++) out[d] = out[d] * s[d] + z[d];
+        } else {
+            for (int d = 0; d < D; d++) out[d] *= s[d];
+        }
+        return;
+    }
+    const float *s = o->scale + b * o->scale_sb + h * o->scale_sh + t * o->scale_st;
+    const float *z = o->zero ? o->zero + b * o->zero_sb + h * o->zero_sh + t * o->zero_st : NULL;
+    const int gs = D / o->n_groups;
+    for (int n = 0; n < o->n_groups; n++) {
+        float *x = out + n * gs;
+        const float sn = s[n];
+        if (z) {
+            const float zn = z[n];
+            for (int d = 0; d < gs; d++) x[d] = x[d] * sn + zn;
+        } else {
+            for (int d = 0; d < gs; d++) x[d] *= sn;
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* Lane sums of 16 vectors: result lane i = sum of v[i]'s 16 lanes (a shuffle-and-add tree,
+ * 15 merges instead of 16 separate horizontal reductions). */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 x[8], y[4], z[2];
+    for (int k = 0; k < 8; k++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        x[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) /* per 128-bit lane: the lane's sum of 4 sources */
+        y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 2; k++)
+        z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(y[2 * k], y[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Can load_block16 read this operand? (every 16-channel chunk lies in one bit plane and one scale
+ * group). Otherwise the row-by-row load_row is used. */
+static int avx_loadable(const kvq_operand *o, int64_t D) {
+    if (D % 16 || D > 512) return 0;
+    if (o->bits == 4 && (D / 2) % 16) return 0;
+    if (o->bits == 2 && (D / 4) % 16) return 0;
+    if (o->bits == 3 && (D / 8) % 16) return 0;
+    if (o->scale && !o->channel_axis && (D / o->n_groups) % 16) return 0;
+    return 1;
+}
+
+/* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 16 channels per step: bytes -> 16 int32 codes
+ * (one shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert, a
+ * 16-entry permute for codebooks, a gather for fp8) -> times scale plus zero point. */
+static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt,
+                         int64_t D, float *out) {
+    const int nc = (int)(D / 16);
+    int off[32], shift[32], off1[32], shift1[32];
+    const int w = o->bits == 8 ? (int)D : (int)(o->bits == 4 ? D / 2 : D / 4);
+    for (int c = 0; c < nc; c++) {
+        const int k = 16 * c / w; /* bit plane of the chunk (int3: of its low bits) */
+        off[c] = 16 * c - k * w;
+        shift[c] = o->bits == 8 ? 0 : (o->bits == 4 ? 4 : 2) * k;
+        if (o->bits == 3) {
+            const int w1 = (int)(D / 8), k1 = 16 * c / w1;
+            off1[c] = w + 16 * c - k1 * w1;
+            shift1[c] = k1;
+        }
+    }
+    const __m512i mask = _mm512_set1_epi32(o->bits == 8 ? 255 : (o->bits == 4 ? 15 : 3));
+    const int small_lut = o->lut && o->bits < 8;
+    const __m512 lut16 = small_lut ? _mm512_loadu_ps(o->lut) : _mm512_setzero_ps();
+    const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 16;
+    for (int64_t i = 0; i < nt; i++) {
+        const int64_t t = t0 + i;
+        const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
+        const float *s = NULL, *z = NULL;
+        if (o->scale) {
+            const int64_t r = o->channel_axis ? t / o->group : t;
+            s = o->scale + b * o->scale_sb + h * o->scale_sh + r * o->scale_st;
+            if (o->zero) z = o->zero + b * o->zero_sb + h * o->zero_sh + r * o->zero_st;
+        }
+        float *dst = out + i * D;
+        for (int c = 0; c < nc; c++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + off[c]));
+            __m512i ci;
+            __m512 x;
+            if (o->bits == 8 && o->is_signed) {
+                x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+            } else {
+                ci = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(bytes), _mm_cvtsi32_si128(shift[c])), mask);
+                if (o->bits == 3) {
+                    const __m128i hb = _mm_loadu_si128((const __m128i *)(row + off1[c]));
+                    __m512i hi = _mm512_srl_epi32(_mm512_cvtepu8_epi32(hb), _mm_cvtsi32_si128(shift1[c]));
+                    ci = _mm512_or_si512(ci, _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), 2));
+                }
+                if (small_lut) x = _mm512_permutexvar_ps(ci, lut16);
+                else if (o->lut) x = _mm512_i32gather_ps(ci, o->lut, 4);
+                else x = _mm512_cvtepi32_ps(ci);
+            }
+            if (s) {
+                if (o->channel_axis) {
+                    x = z ? _mm512_fmadd_ps(x, _mm512_loadu_ps(s + 16 * c), _mm512_loadu_ps(z + 16 * c))
+                          : _mm512_mul_ps(x, _mm512_loadu_ps(s + 16 * c));
+                } else {
+                    const int n = 16 * c / gs;
+                    x = z ? _mm512_fmadd_ps(x, _mm512_set1_ps(s[n]), _mm512_set1_ps(z[n]))
+                          : _mm512_mul_ps(x, _mm512_set1_ps(s[n]));
+                }
+            }
+            _mm512_storeu_ps(dst + 16 * c, x);
+        }
+    }
+}
+
+/* exp(x) for x <= 0, 16 lanes (same polynomial as exp_nonpos; lanes below -87 give 0). */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
+}
+
+/* One (batch row, KV head), tokens [t_begin, T) in blocks of 16: each block's key and value rows
+ * are dequantized into kb / vb [16, D] (L1-resident), scores for 16 tokens come out of one
+ * hsum16, the softmax runs on 16 lanes, and each query head's accumulator chunk stays in a
+ * register across the block's 16 value rows. Needs D % 16 == 0. */
+static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
+                               const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin,
+                               int64_t T, float scaling, float softcap, float *kb, float *vb,
+                               uint8_t *idx, float *m, float *l, float *acc) {
+    const int64_t nc = D / 16;
+    const int k_fast = avx_loadable(k, D), v_fast = avx_loadable(v, D);
+    float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
+    for (int64_t t0 = t_begin; t0 < T; t0 += 16) {
+        const int64_t nt = T - t0 < 16 ? T - t0 : 16;
+        if (k_fast) load_block16(k, b, h, t0, nt, D, kb);
+        else for (int64_t i = 0; i < nt; i++) load_row(k, b, h, t0 + i, (int)D, idx, kb + i * D);
+        if (v_fast) load_block16(v, b, h, t0, nt, D, vb);
+        else for (int64_t i = 0; i < nt; i++) load_row(v, b, h, t0 + i, (int)D, idx, vb + i * D);
+        const __mmask16 valid = (__mmask16)((1u << nt) - 1u);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
+            __m512 part[16];
+            for (int64_t i = 0; i < 16; i++) {
+                if (i >= nt) { part[i] = _mm512_setzero_ps(); continue; }
+                const float *row = kb + i * D;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(row));
+                for (int64_t c = 1; c < nc; c++)
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(row + 16 * c), a);
+                part[i] = a;
+            }
+            __m512 s = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scaling));
+            if (softcap > 0.0f) {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, s);
+                for (int i = 0; i < 16; i++) tmp[i] = softcap * tanhf(tmp[i] / softcap);
+                s = _mm512_loadu_ps(tmp);
+            }
+            float *pg = p_all + g * 16;
+            if (isnan(m[g]) || _mm512_mask_cmp_ps_mask(valid, s, s, _CMP_UNORD_Q)) {
+                m[g] = NAN; /* a NaN score poisons the row, as in torch */
+                _mm512_storeu_ps(pg, _mm512_setzero_ps());
+                continue;
+            }
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
+            const float bmax = _mm512_reduce_max_ps(s);
+            const float mx = bmax > m[g] ? bmax : m[g];
+            const float corr = m[g] == -INFINITY ? 0.0f : exp_nonpos(m[g] - mx);
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+            m[g] = mx;
+            _mm512_storeu_ps(pg, p);
+            float *ag = acc + g * D;
+            const __m512 vc = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < nc; c++) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ag + 16 * c), vc);
+                for (int64_t i = 0; i < nt; i++)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(pg[i]), _mm512_loadu_ps(vb + i * D + 16 * c), a);
+                _mm512_storeu_ps(ag + 16 * c, a);
+            }
+        }
+    }
+}
+#endif
+
+/* One (batch row, KV head), tokens [t_begin, T), any D: row by row in blocks of BLOCK_T. */
+static void decode_head_generic(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
+                                const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin,
+                                int64_t T, float scaling, float softcap, float *kf, float *vf,
+                                uint8_t *idx, float *sc, float *m, float *l, float *acc) {
+    for (int64_t t0 = t_begin; t0 < T; t0 += BLOCK_T) {
+        const int64_t nt = T - t0 < BLOCK_T ? T - t0 : BLOCK_T;
+        for (int64_t i = 0; i < nt; i++) {
+            load_row(k, b, h, t0 + i, (int)D, idx, kf);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qh + g * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kf[d];
+                dot *= scaling;
+                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+                sc[g * BLOCK_T + i] = dot;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = sc + g * BLOCK_T;
+            float mx = m[g];
+            int nan_seen = isnan(mx);
+            for (int64_t i = 0; i < nt; i++) {
+                nan_seen |= isnan(sg[i]);
+                mx = sg[i] > mx ? sg[i] : mx;
+            }
+            if (nan_seen) { m[g] = NAN; continue; } /* a NaN score poisons the row, as in torch */
+            if (mx == -INFINITY) continue;
+            const float corr = m[g] == -INFINITY ? 0.0f : exp_nonpos(m[g] - mx);
+            float sum = 0.0f;
+            for (int64_t i = 0; i < nt; i++) { sg[i] = exp_nonpos(sg[i] - mx); sum += sg[i]; }
+            l[g] = l[g] * corr + sum;
+            if (corr != 1.0f) {
+                float *ag = acc + g * D;
+                for (int64_t d = 0; d < D; d++) ag[d] *= corr;
+            }
+            m[g] = mx;
+        }
+        for (int64_t i = 0; i < nt; i++) {
+            load_row(v, b, h, t0 + i, (int)D, idx, vf);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = isnan(m[g]) ? 0.0f : sc[g * BLOCK_T + i];
+                float *ag = acc + g * D;
+                for (int64_t d = 0; d < D; d++) ag[d] += p * vf[d];
+            }
+        }
+    }
+}
+
+typedef struct {
+    const float *q;
+    int64_t B, Hkv, G, D;
+    const kvq_operand *k, *v;
+    const int64_t *start;
+    int64_t r0, r1; /* this worker's token range of the slice */
+    float scaling, softcap;
+    float *acc, *m, *l; /* partials: [B, Hkv, G, D], [B, Hkv, G], [B, Hkv, G] */
+    int status;
+} kvq_job;
+
+/* Unnormalized partial attention of every (row, head) over tokens [r0, r1) of the slice. */
+static void *run_job(void *arg) {
+    kvq_job *j = arg;
+    const int64_t G = j->G, D = j->D;
+    const int64_t rows = BLOCK_T > 16 ? BLOCK_T : 16;
+    float *kf = malloc(sizeof(float) * (size_t)(rows * D));
+    float *vf = malloc(sizeof(float) * (size_t)(rows * D));
+    uint8_t *idx = malloc((size_t)D);
+    float *sc = malloc(sizeof(float) * (size_t)(G * BLOCK_T));
+    j->status = (!kf || !vf || !idx || !sc) ? -1 : 0;
+    for (int64_t b = 0; b < j->B && j->status == 0; b++) {
+        for (int64_t h = 0; h < j->Hkv; h++) {
+            const int64_t bh = b * j->Hkv + h;
+            const float *qh = j->q + bh * G * D;
+            float *acc = j->acc + bh * G * D, *m = j->m + bh * G, *l = j->l + bh * G;
+            for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+            for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+            const int64_t t_begin = j->start[b] > j->r0 ? j->start[b] : j->r0;
+#if defined(__AVX512F__)
+            if (D % 16 == 0 && G <= 64)
+                decode_head_avx512(qh, G, D, j->k, j->v, b, h, t_begin, j->r1, j->scaling, j->softcap,
+                                   kf, vf, idx, m, l, acc);
+            else
+#endif
+                decode_head_generic(qh, G, D, j->k, j->v, b, h, t_begin, j->r1, j->scaling, j->softcap,
+                                    kf, vf, idx, sc, m, l, acc);
+        }
+    }
+    free(kf); free(vf); free(idx); free(sc);
+    return NULL;
+}
+
+/* q [B, Hkv, G, D] fp32 contiguous; start [B]: first token of each row in the slice; T: slice length.
+ * Writes out [B, Hkv, G, D] and lse [B, Hkv, G] (natural log; -inf and zeros for an empty row).
+ * softcap <= 0: none. n_threads > 1 splits the tokens into that many ranges (split-KV, one thread
+ * each, OpenMP), merged by log-sum-exp. Returns 0, or -1 when out of memory. */
+int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
+               const kvq_operand *k, const kvq_operand *v, const int64_t *start, int64_t T,
+               float scaling, float softcap, float *out, float *lse, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > 64) n_threads = 64;
+    int64_t lo = T;
+    for (int64_t b = 0; b < B; b++) lo = start[b] < lo ? (start[b] < 0 ? 0 : start[b]) : lo;
+    const int64_t per = ((T - lo + n_threads - 1) / n_threads + 15) / 16 * 16;
+    const int64_t n_part = B * Hkv * G;
+    kvq_job jobs[64];
+    int rc = 0;
+    for (int w = 0; w < n_threads; w++) {
+        kvq_job *j = &jobs[w];
+        j->q = q; j->B = B; j->Hkv = Hkv; j->G = G; j->D = D; j->k = k; j->v = v; j->start = start;
+        j->r0 = lo + w * per < T ? lo + w * per : T;
+        j->r1 = lo + (w + 1) * per < T ? lo + (w + 1) * per : T;
+        j->scaling = scaling; j->softcap = softcap;
+        j->status = 0;
+        if (w == 0) {
+            j->acc = out; j->m = lse; j->l = malloc(sizeof(float) * (size_t)n_part);
+        } else {
+            j->acc = malloc(sizeof(float) * (size_t)(n_part * D));
+            j->m = malloc(sizeof(float) * (size_t)n_part);
+            j->l = malloc(sizeof(float) * (size_t)n_part);
+        }
+        if (!j->acc || !j->m || !j->l) { rc = -1; n_threads = w + 1; break; }
+    }
+    if (rc == 0) {
+        /* OpenMP from the libgomp torch already loaded (same soname): torch's own thread pool */
+#pragma omp parallel for num_threads(n_threads) schedule(static, 1)
+        for (int w = 0; w < n_threads; w++) run_job(&jobs[w]);
+    }
+    for (int w = 0; w < n_threads && rc == 0; w++) rc = jobs[w].status;
+    if (rc == 0) {
+        for (int64_t p = 0; p < n_part; p++) { /* merge the ranges' partials, then normalize */
+            float *acc = out + p * D;
+            float mx = -INFINITY;
+            int nan_seen = 0;
+            for (int w = 0; w < n_threads; w++) {
+                nan_seen |= isnan(jobs[w].m[p]);
+                mx = jobs[w].m[p] > mx ? jobs[w].m[p] : mx;
+            }
+            float l = 0.0f;
+            if (!nan_seen && mx != -INFINITY) {
+                for (int w = 0; w < n_threads; w++) {
+                    if (jobs[w].m[p] == -INFINITY) {
+                        if (w == 0) for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+                        continue;
+                    }
+                    const float c = exp_nonpos(jobs[w].m[p] - mx);
+                    l += jobs[w].l[p] * c;
+                    if (w == 0) {
+                        for (int64_t d = 0; d < D; d++) acc[d] *= c;
+                    } else {
+                        const float *aw = jobs[w].acc + p * D;
+                        for (int64_t d = 0; d < D; d++) acc[d] += c * aw[d];
+                    }
+                }
+            }
+            if (nan_seen) {
+                for (int64_t d = 0; d < D; d++) acc[d] = NAN;
+                lse[p] = NAN;
+            } else if (l > 0.0f) {
+                const float inv = 1.0f / l;
+                for (int64_t d = 0; d < D; d++) acc[d] *= inv;
+                lse[p] = mx + logf(l);
+            } else {
+                for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+                lse[p] = -INFINITY;
+            }
+        }
+    }
+    free(jobs[0].l);
+    for (int w = 1; w < n_threads; w++) { free(jobs[w].acc); free(jobs[w].m); free(jobs[w].l); }
+    return rc;
+}

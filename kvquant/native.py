@@ -1,0 +1,276 @@
+"""The native CPU decode kernel (``kvquant/csrc/decode_cpu.c``): built at first use, called via ctypes.
+
+Same operands and results as :func:`kvquant.decode_cpu.decode_attention_torch` (the torch twin the
+tests compare it with). The torch path stays the fallback: when no C compiler is found, the build
+fails, ``KVQUANT_NATIVE=0`` is set, or a format has no native reader (``none``), attention takes
+the torch path with the same numbers.
+
+The shared library is compiled once per machine with ``$CC`` (default ``cc``) and
+``-O3 -march=native`` into ``<cache_root>/native/`` (see :func:`kvquant.models.cache_root`), named
+by a hash of the source, the flags, the compiler's version and the CPU model, and loaded from there
+afterwards (a second process reuses it; an interrupted build leaves nothing half-written).
+
+Example:
+    >>> from kvquant.native import native_available
+    >>> native_available()          # False without a C compiler
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvquant.formats import format_spec
+
+log = logging.getLogger("kvquant")
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_cpu.c"
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+
+_state: dict[str, object] = {}  # "lib": the loaded library, or "error": why there is none
+
+
+class _Operand(ctypes.Structure):
+    """Mirror of ``kvq_operand`` in decode_cpu.c."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("code_sb", ctypes.c_int64),
+        ("code_sh", ctypes.c_int64),
+        ("code_st", ctypes.c_int64),
+        ("scale", ctypes.c_void_p),
+        ("scale_sb", ctypes.c_int64),
+        ("scale_sh", ctypes.c_int64),
+        ("scale_st", ctypes.c_int64),
+        ("zero", ctypes.c_void_p),
+        ("zero_sb", ctypes.c_int64),
+        ("zero_sh", ctypes.c_int64),
+        ("zero_st", ctypes.c_int64),
+        ("lut", ctypes.c_void_p),
+        ("bits", ctypes.c_int32),
+        ("is_signed", ctypes.c_int32),
+        ("n_groups", ctypes.c_int32),
+        ("channel_axis", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+    ]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    from kvquant.models import cache_root
+
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(), _cpu_model().encode()])
+    ).hexdigest()[:16]
+    out_dir = cache_root() / "native"
+    target = out_dir / f"decode_cpu-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _library():
+    """The loaded kernel library, or None (the reason is logged once and kept in ``_state``)."""
+    if "lib" in _state or "error" in _state:
+        return _state.get("lib")
+    if os.environ.get("KVQUANT_NATIVE", "1") == "0":
+        _state["error"] = "disabled by KVQUANT_NATIVE=0"
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    try:
+        if cc is None:
+            raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)")
+        lib = ctypes.CDLL(str(_build(cc)))
+        fn = lib.kvq_decode
+        fn.restype = ctypes.c_int
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, i64, i64, i64, i64, ctypes.POINTER(_Operand), ctypes.POINTER(_Operand)]
+        fn.argtypes += [p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
+        _state["lib"] = lib
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        _state["error"] = str(err)
+        log.warning("kvquant: native CPU decode kernel unavailable, using the torch path: %s", err)
+        return None
+    return lib
+
+
+def native_available() -> bool:
+    """Whether the native CPU decode kernel is built and loaded (builds it on first call)."""
+    return _library() is not None
+
+
+def native_formats_ok(k_fmt: str, v_fmt: str) -> bool:
+    """Whether the kernel reads both formats (every quantized format; not ``none``)."""
+    return format_spec(k_fmt).kind != "passthrough" and format_spec(v_fmt).kind != "passthrough"
+
+
+_LUTS: dict[str, torch.Tensor] = {}
+
+
+def _lut(fmt: str) -> torch.Tensor | None:
+    """fp32 table code -> level for fp8 and codebook formats; None where the code is the level."""
+    spec = format_spec(fmt)
+    if spec.kind not in ("float", "codebook"):
+        return None
+    if fmt not in _LUTS:
+        if spec.kind == "codebook":  # padded to 16 entries: the kernel loads one 16-lane vector
+            levels = spec.levels.float()
+            _LUTS[fmt] = torch.cat([levels, levels.new_zeros(16 - levels.numel())]).contiguous()
+        else:
+            _LUTS[fmt] = torch.arange(256, dtype=torch.uint8).view(spec.code_dtype).float().contiguous()
+    return _LUTS[fmt]
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Element strides of dims 0..2, 0 where the dim broadcasts (size 1)."""
+    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
+
+
+def _operand(codes, scale, zero, fmt, group, axis, lo, end, keep) -> _Operand:
+    """Describe one operand's slice ``[lo, end)``; tensors the kernel reads are appended to ``keep``."""
+    spec = format_spec(fmt)
+    c = codes[:, :, lo:end]
+    if c.stride(-1) != 1:
+        c = c.contiguous()
+    c8 = c.view(torch.uint8)
+    op = _Operand(codes=c8.data_ptr(), bits=3 if spec.bits == 3 else spec.bits)
+    op.code_sb, op.code_sh, op.code_st = _strides(c8)
+    op.is_signed = int(spec.kind == "int_sym")
+    lut = _lut(fmt)
+    op.lut = lut.data_ptr() if lut is not None else None
+    keep += [c8, lut]
+    if scale is None:
+        op.n_groups, op.group = 1, 1
+        return op
+    static = scale.shape[0] == 1 and scale.shape[2] == 1 and scale.shape[3] == 1
+    if axis == "channel" and not static:
+        r0, r1 = lo // group, -(-end // group)
+        op.channel_axis, op.group, op.n_groups = 1, group, 1
+    else:
+        r0, r1 = (0, 1) if static else (lo, end)
+        op.n_groups, op.group = scale.shape[-1], 1
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t is None:
+            continue
+        rows = t[:, :, r0:r1].float()
+        if rows.stride(-1) != 1 and rows.shape[-1] > 1:
+            rows = rows.contiguous()
+        keep.append(rows)
+        setattr(op, name, rows.data_ptr())
+        sb, sh, st = _strides(rows)
+        setattr(op, f"{name}_sb", sb)
+        setattr(op, f"{name}_sh", sh)
+        setattr(op, f"{name}_st", st)
+    return op
+
+
+# below this many (row, head, token) triples a second thread costs more than it saves
+THREAD_MIN_WORK = 4096
+
+
+def _threads(work: int) -> int:
+    """Threads for a call: torch's intra-op thread count for big enough work, else one."""
+    return max(1, torch.get_num_threads()) if work >= THREAD_MIN_WORK else 1
+
+
+def decode_attention_native(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    *,
+    k_fmt: str,
+    v_fmt: str,
+    k_group: int,
+    v_group: int,
+    k_axis: str,
+    start: torch.Tensor,
+    end: int,
+    scaling: float,
+    softcap: float | None = None,
+    threads: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvquant.decode_cpu.decode_attention_torch` in C (CPU tensors; see there for shapes).
+
+    ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
+    ``out [B, Hq, D]`` / ``lse [B, Hq]``: fp32 contiguous buffers to write into (default: new).
+    Raises ``RuntimeError`` when the kernel is unavailable (check :func:`native_available`) and
+    ``ValueError`` for a format it does not read.
+
+    Example:
+        >>> out, lse = decode_attention_native(q, *k_parts, *v_parts, k_fmt="int4", v_fmt="int4",
+        ...     k_group=64, v_group=64, k_axis="token", start=torch.zeros(1, dtype=torch.long),
+        ...     end=k_parts[0].shape[2], scaling=0.125)
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"native CPU decode kernel unavailable: {_state.get('error')}")
+    if not native_formats_ok(k_fmt, v_fmt):
+        raise ValueError(
+            f"k_fmt / v_fmt: the native kernel reads quantized formats only, got {k_fmt!r} / {v_fmt!r}"
+        )
+    b, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    g = hq // hkv
+    qf = q.float().contiguous()  # [B, Hq, D] = [B, Hkv, G, D]
+    out = torch.empty(b, hq, d, dtype=torch.float32) if out is None else out
+    lse = torch.empty(b, hq, dtype=torch.float32) if lse is None else lse
+    for name, t, shape in (("out", out, (b, hq, d)), ("lse", lse, (b, hq))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: expected a contiguous float32 tensor of shape {shape}, got {tuple(t.shape)} {t.dtype}"
+            )
+    if b == 0:
+        return out, lse
+    start = start.to(torch.int64)
+    block = k_group if k_axis == "channel" else 1
+    lo = max(0, min(int(start.min()), end) // block * block)
+    keep: list = []
+    k_op = _operand(k_codes, k_scale, k_zero, k_fmt, k_group, k_axis, lo, end, keep)
+    v_op = _operand(v_codes, v_scale, v_zero, v_fmt, v_group, "token", lo, end, keep)
+    rel_start = (start - lo).contiguous()
+    rc = lib.kvq_decode(
+        qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), rel_start.data_ptr(),
+        end - lo, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
+        _threads(b * hkv * (end - lo)) if threads is None else threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("native CPU decode kernel: out of memory")
+    return out, lse

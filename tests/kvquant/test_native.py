@@ -1,0 +1,163 @@
+"""The native CPU decode kernel (kvquant/csrc/decode_cpu.c) against its torch twin
+(``decode_attention_torch``): every quantized format, odd shapes, GQA ratios, left padding,
+static scales, per-channel keys, softcap, split-KV threads; outputs poisoned with NaN before each
+call. Plus the fallback when no compiler is found."""
+
+import logging
+
+import pytest
+import torch
+
+import kvquant.native as native
+from kvquant.decode_cpu import decode_attention_torch
+from kvquant.formats import quantize
+
+pytestmark = pytest.mark.skipif(not native.native_available(), reason="no C compiler: torch path only")
+
+QUANTIZED = ["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "nuq4", "nuq3", "nuq2"]
+
+
+def _store(fmt, x, group, axis="token", static=None):
+    block = quantize(x, fmt, group_size=group, axis=axis, static_scale=static)
+    return block.codes, block.scale, block.zero
+
+
+def _compare(q, k_parts, v_parts, threads=None, **args):
+    ref_out, ref_lse = decode_attention_torch(q, *k_parts, *v_parts, **args)
+    b, hq, d = q.shape
+    out = torch.full((b, hq, d), float("nan"))  # poisoned: an unwritten element fails
+    lse = torch.full((b, hq), float("nan"))
+    got_out, got_lse = native.decode_attention_native(
+        q, *k_parts, *v_parts, threads=threads, out=out, lse=lse, **args
+    )
+    assert got_out.data_ptr() == out.data_ptr()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    # both fp32; they differ in summation order and in exp (a polynomial, relative error < 2e-7)
+    scale = ref_out.abs().max().clamp_min(1e-6)
+    assert ((got_out - ref_out).abs().max() / scale).item() <= 2e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(got_lse))
+    assert (got_lse[finite] - ref_lse[finite]).abs().max().item() <= 2e-5 * max(
+        1.0, ref_lse.abs().max().item()
+    )
+    return got_out, got_lse
+
+
+@pytest.mark.parametrize("k_fmt", QUANTIZED)
+@pytest.mark.parametrize("v_fmt", ["int4", "int2", "fp8_e4m3", "nuq3"])
+def test_every_format_pair_matches_the_torch_twin(k_fmt, v_fmt):
+    torch.manual_seed(0)
+    b, h, g, d, t = 2, 2, 3, 64, 63
+    k, v = torch.randn(b, h, t, d) * 2 + 0.3, torch.randn(b, h, t, d)
+    q = torch.randn(b, h * g, d)
+    start = torch.tensor([0, 7])  # the second row is left-padded
+    args = dict(k_fmt=k_fmt, v_fmt=v_fmt, k_group=32, v_group=64, k_axis="token", start=start, end=t, scaling=d**-0.5)  # fmt: skip
+    _compare(q, _store(k_fmt, k, 32), _store(v_fmt, v, 64), **args)
+
+
+@pytest.mark.parametrize(
+    "d, g, t, k_group, v_group",
+    [
+        (16, 1, 1, 16, 8),
+        (64, 8, 1025, 64, 16),
+        (128, 3, 100, 32, 128),
+        (256, 1, 33, 256, 64),
+        (48, 2, 17, 16, 48),
+    ],
+)
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "nuq4"])
+def test_odd_shapes_and_gqa_ratios(d, g, t, k_group, v_group, fmt):
+    if fmt in ("int2",) and d % 4:
+        pytest.skip("int2 packs 4 channels per byte")
+    torch.manual_seed(1)
+    b, h = 3, 2
+    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    q = torch.randn(b, h * g, d)
+    start = torch.tensor([0, t // 2, t - 1])
+    args = dict(k_fmt=fmt, v_fmt=fmt, k_group=k_group, v_group=v_group, k_axis="token", start=start, end=t, scaling=0.2)  # fmt: skip
+    _compare(q, _store(fmt, k, k_group), _store(fmt, v, v_group), **args)
+
+
+def test_channel_axis_keys_static_scales_and_softcap():
+    torch.manual_seed(2)
+    b, h, g, d, t = 2, 2, 4, 64, 96
+    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    q = torch.randn(b, h * g, d) * 3
+    start = torch.tensor([5, 40])  # not multiples of the 32-token key blocks
+    args = dict(k_fmt="int4", v_fmt="int2", k_group=32, v_group=64, k_axis="channel", start=start, end=t, scaling=0.125)  # fmt: skip
+    _compare(q, _store("int4", k, 32, "channel"), _store("int2", v, 64), **args)
+    _compare(q, _store("int4", k, 32, "channel"), _store("int2", v, 64), softcap=2.0, **args)
+    static = torch.tensor([0.05, 0.04])  # one calibrated scale per KV head
+    args = dict(args, k_fmt="int8", v_fmt="fp8_e4m3", k_axis="token")
+    _compare(q, _store("int8", k, 64, static=static), _store("fp8_e4m3", v, 64, static=static), **args)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_split_kv_threads_agree(threads):
+    torch.manual_seed(3)
+    b, h, g, d, t = 2, 3, 3, 64, 1025
+    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    q = torch.randn(b, h * g, d)
+    start = torch.tensor([0, 600])  # the second row lies wholly in the later splits
+    args = dict(k_fmt="int4", v_fmt="int4", k_group=64, v_group=64, k_axis="token", start=start, end=t, scaling=0.125)  # fmt: skip
+    _compare(q, _store("int4", k, 64), _store("int4", v, 64), threads=threads, **args)
+
+
+def test_empty_rows_give_zeros_and_minus_inf():
+    torch.manual_seed(4)
+    k, v = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 8, 16)
+    q = torch.randn(2, 2, 16)
+    args = dict(k_fmt="int4", v_fmt="int4", k_group=16, v_group=16, k_axis="token", start=torch.tensor([8, 3]), end=8, scaling=0.25)  # fmt: skip
+    out, lse = native.decode_attention_native(q, *_store("int4", k, 16), *_store("int4", v, 16), **args)
+    assert torch.equal(out[0], torch.zeros(2, 16)) and torch.isneginf(lse[0]).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_nan_query_poisons_its_row_like_torch():
+    k, v = torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
+    q = torch.randn(1, 2, 16)
+    q[0, 1, 3] = float("nan")
+    args = dict(k_fmt="int8", v_fmt="int8", k_group=16, v_group=16, k_axis="token", start=torch.tensor([0]), end=40, scaling=0.25)  # fmt: skip
+    out, lse = native.decode_attention_native(q, *_store("int8", k, 16), *_store("int8", v, 16), **args)
+    ref, _ = decode_attention_torch(q, *_store("int8", k, 16), *_store("int8", v, 16), **args)
+    assert torch.isnan(ref[0, 1]).all() and torch.isnan(out[0, 1]).all()
+    assert torch.isfinite(out[0, 0]).all()
+
+
+def test_bad_buffers_and_formats_get_one_clear_error():
+    k = torch.randn(1, 1, 4, 16)
+    parts = _store("int4", k, 16)
+    args = dict(k_fmt="int4", v_fmt="int4", k_group=16, v_group=16, k_axis="token", start=torch.tensor([0]), end=4, scaling=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match="out: expected a contiguous float32 tensor"):
+        native.decode_attention_native(torch.randn(1, 1, 16), *parts, *parts, out=torch.empty(1, 16), **args)
+    with pytest.raises(ValueError, match="k_fmt / v_fmt"):
+        native.decode_attention_native(torch.randn(1, 1, 16), k, None, None, k, None, None, **dict(args, k_fmt="none", v_fmt="none"))  # fmt: skip
+
+
+def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("CC", "no-such-compiler-kvquant")
+    monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="kvquant"):
+        assert not native.native_available()
+    assert "no C compiler" in caplog.text and "torch path" in caplog.text
+    with pytest.raises(RuntimeError, match="unavailable"):
+        native.decode_attention_native(torch.randn(1, 1, 16), *[None] * 6, k_fmt="int4", v_fmt="int4", k_group=16, v_group=16, k_axis="token", start=torch.tensor([0]), end=0, scaling=1.0)  # fmt: skip
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("KVQUANT_NATIVE", "0")
+    monkeypatch.delenv("CC")
+    assert not native.native_available()
+    assert native._state["error"] == "disabled by KVQUANT_NATIVE=0"
+
+
+def test_the_build_is_cached_by_source_flags_and_compiler(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
+    assert native.native_available()
+    built = list((tmp_path / "native").glob("decode_cpu-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_state", {})
+    assert native.native_available()  # a second process reuses the file
+    assert built[0].stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [built[0].name]  # no temp files left
