@@ -127,8 +127,23 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 # --------------------------------------------------------------------------------------------- decode
 
 
-def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None):
-    """Attention of ``q[B, Hq, D]`` over the view's stored positions (sinks excluded)."""
+def _whole_step_native(view: KVView, q: torch.Tensor) -> bool:
+    """Whether the C kernel can take the whole decode step (store and full-precision tokens in one
+    softmax): CPU, quantized formats, no rotation or smoothing (those transform the store's
+    operands only, so their partial is merged with the full-precision one instead)."""
+    layer = view.layer
+    return (
+        not q.is_cuda
+        and layer.config.rotation == "none"
+        and layer.smooth is None
+        and native_formats_ok(layer.k_store.fmt, layer.v_store.fmt, q.shape[-1])
+        and native_available()
+    )
+
+
+def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None, fp=None):
+    """Attention of ``q[B, Hq, D]`` over the view's stored positions (sinks excluded); with
+    ``fp = (k, v, valid)`` (native kernel only) over those full-precision tokens too."""
     layer = view.layer
     sink = layer.config.sink_tokens if layer.sink_k is not None else 0
     first = torch.clamp(layer.pads + sink, min=view.hist_begin)  # [B] first stored position per row
@@ -164,7 +179,9 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
         from kvquant.kernels import quantized_decode_attention
 
         out, lse = quantized_decode_attention(*tensors, **args)
-    elif not q.is_cuda and native_formats_ok(ks.fmt, vs.fmt) and native_available():
+    elif fp is not None:  # CPU: the C kernel, the whole step
+        out, lse = decode_attention_native(*tensors, **args, fp_k=fp[0], fp_v=fp[1], fp_valid=fp[2])
+    elif not q.is_cuda and native_formats_ok(ks.fmt, vs.fmt, q.shape[-1]) and native_available():
         out, lse = decode_attention_native(*tensors, **args)  # CPU: the C kernel
     else:  # no C compiler, `none`, or a format the Triton kernel does not read on GPU: chunked torch
         out, lse = decode_attention_torch(*tensors, **args)
@@ -177,8 +194,9 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
     return out, lse
 
 
-def _fp_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None):
-    """Attention of ``q[B, Hq, D]`` over the full-precision tokens: sinks, tail, the new token."""
+def _fp_tokens(view: KVView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full-precision tokens a decode step attends to: sinks, tail, the new token, as
+    ``k, v [B, H, n, D]`` and ``valid [B, n]`` (False: padding, or outside the visible history)."""
     layer = view.layer
     pads = layer.pads
     parts_k, parts_v, valid = [], [], []
@@ -195,14 +213,23 @@ def _fp_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | 
     parts_k.append(view.new_k)
     parts_v.append(view.new_v)
     valid.append(torch.ones(pads.shape[0], view.new_k.shape[2], dtype=torch.bool, device=pads.device))
-    k, v = torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-    mask = torch.cat(valid, dim=1)[:, None, None, :]  # [B, 1, 1, n]
-    out, lse = dense_attention(q[:, :, None], k, v, mask, scaling, softcap)
+    if len(parts_k) == 1:
+        return parts_k[0], parts_v[0], valid[0]
+    return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), torch.cat(valid, dim=1)
+
+
+def _fp_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None):
+    """Attention of ``q[B, Hq, D]`` over the full-precision tokens: sinks, tail, the new token."""
+    k, v, valid = _fp_tokens(view)
+    out, lse = dense_attention(q[:, :, None], k, v, valid[:, None, None, :], scaling, softcap)
     return out[:, :, 0], lse[:, :, 0]
 
 
 def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
     q = query[:, :, 0]  # [B, Hq, D]
+    if view.hist_begin < view.store_end and _whole_step_native(view, q):
+        out, _ = _store_partial(view, q, scaling, softcap, fp=_fp_tokens(view))
+        return out[:, None].to(query.dtype)  # [B, 1, Hq, D]
     outs, lses = [], []
     if view.hist_begin < view.store_end:
         o, lse = _store_partial(view, q, scaling, softcap)

@@ -62,6 +62,7 @@ class _Operand(ctypes.Structure):
         ("n_groups", ctypes.c_int32),
         ("channel_axis", ctypes.c_int32),
         ("group", ctypes.c_int32),
+        ("scale_dtype", ctypes.c_int32),
     ]
 
 
@@ -118,6 +119,7 @@ def _library():
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, i64, i64, i64, i64, ctypes.POINTER(_Operand), ctypes.POINTER(_Operand)]
         fn.argtypes += [p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
+        fn.argtypes += [ctypes.POINTER(_Operand), ctypes.POINTER(_Operand), p, i64]
         _state["lib"] = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         _state["error"] = str(err)
@@ -131,9 +133,14 @@ def native_available() -> bool:
     return _library() is not None
 
 
-def native_formats_ok(k_fmt: str, v_fmt: str) -> bool:
-    """Whether the kernel reads both formats (every quantized format; not ``none``)."""
-    return format_spec(k_fmt).kind != "passthrough" and format_spec(v_fmt).kind != "passthrough"
+MAX_HEAD_DIM = 512
+
+
+def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
+    """Whether the kernel reads both formats (every quantized format; not ``none``) at this head
+    size (up to ``MAX_HEAD_DIM``)."""
+    quantized = format_spec(k_fmt).kind != "passthrough" and format_spec(v_fmt).kind != "passthrough"
+    return quantized and head_dim <= MAX_HEAD_DIM
 
 
 _LUTS: dict[str, torch.Tensor] = {}
@@ -155,41 +162,43 @@ def _lut(fmt: str) -> torch.Tensor | None:
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     """Element strides of dims 0..2, 0 where the dim broadcasts (size 1)."""
-    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
+    st, sh = t.stride(), t.shape
+    return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
 
 
-def _operand(codes, scale, zero, fmt, group, axis, lo, end, keep) -> _Operand:
-    """Describe one operand's slice ``[lo, end)``; tensors the kernel reads are appended to ``keep``."""
+_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
+    """Describe one operand from token ``lo`` on: pointers into the store's own buffers (no slice,
+    no conversion; the kernel reads fp16 / bf16 scales itself). Tensors used go to ``keep``."""
     spec = format_spec(fmt)
-    c = codes[:, :, lo:end]
-    if c.stride(-1) != 1:
-        c = c.contiguous()
-    c8 = c.view(torch.uint8)
-    op = _Operand(codes=c8.data_ptr(), bits=3 if spec.bits == 3 else spec.bits)
-    op.code_sb, op.code_sh, op.code_st = _strides(c8)
-    op.is_signed = int(spec.kind == "int_sym")
+    if codes.stride(-1) != 1:
+        codes = codes.contiguous()
+    keep.append(codes)
+    sb, sh, st = _strides(codes)  # 1-byte codes: element strides are byte strides
     lut = _lut(fmt)
-    op.lut = lut.data_ptr() if lut is not None else None
-    keep += [c8, lut]
+    op = _Operand(codes.data_ptr() + lo * codes.stride(2), sb, sh, st)
+    op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.kind == "int_sym"), 1, 1
+    op.lut = None if lut is None else lut.data_ptr()
     if scale is None:
-        op.n_groups, op.group = 1, 1
         return op
     static = scale.shape[0] == 1 and scale.shape[2] == 1 and scale.shape[3] == 1
     if axis == "channel" and not static:
-        r0, r1 = lo // group, -(-end // group)
-        op.channel_axis, op.group, op.n_groups = 1, group, 1
+        row0 = lo // group
+        op.channel_axis, op.group = 1, group
     else:
-        r0, r1 = (0, 1) if static else (lo, end)
-        op.n_groups, op.group = scale.shape[-1], 1
+        row0 = 0 if static else lo
+        op.n_groups = scale.shape[-1]
+    op.scale_dtype = _SCALE_DTYPES[scale.dtype]
     for name, t in (("scale", scale), ("zero", zero)):
         if t is None:
             continue
-        rows = t[:, :, r0:r1].float()
-        if rows.stride(-1) != 1 and rows.shape[-1] > 1:
-            rows = rows.contiguous()
-        keep.append(rows)
-        setattr(op, name, rows.data_ptr())
-        sb, sh, st = _strides(rows)
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            t = t.contiguous()
+        keep.append(t)
+        sb, sh, st = _strides(t)
+        setattr(op, name, t.data_ptr() + row0 * t.stride(2) * t.element_size())
         setattr(op, f"{name}_sb", sb)
         setattr(op, f"{name}_sh", sh)
         setattr(op, f"{name}_st", st)
@@ -203,6 +212,17 @@ THREAD_MIN_WORK = 4096
 def _threads(work: int) -> int:
     """Threads for a call: torch's intra-op thread count for big enough work, else one."""
     return max(1, torch.get_num_threads()) if work >= THREAD_MIN_WORK else 1
+
+
+def _fp_operand(x: torch.Tensor, keep: list) -> _Operand:
+    """Full-precision rows ``x [B, Hkv, n, D]`` as a 32-bit operand (byte strides, no scales)."""
+    x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    keep.append(x)
+    op = _Operand(codes=x.data_ptr(), bits=32, n_groups=1, group=1)
+    op.code_sb, op.code_sh, op.code_st = (4 * s for s in _strides(x))
+    return op
 
 
 def decode_attention_native(
@@ -224,12 +244,17 @@ def decode_attention_native(
     scaling: float,
     softcap: float | None = None,
     threads: int | None = None,
+    fp_k: torch.Tensor | None = None,
+    fp_v: torch.Tensor | None = None,
+    fp_valid: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kvquant.decode_cpu.decode_attention_torch` in C (CPU tensors; see there for shapes).
 
-    ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
+    ``fp_k / fp_v [B, Hkv, n, D]`` with ``fp_valid [B, n]`` (bool): full-precision tokens (sinks,
+    residual, the new token) attended in the same softmax where valid, so the result is the whole
+    attention and needs no merge. ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
     ``out [B, Hq, D]`` / ``lse [B, Hq]``: fp32 contiguous buffers to write into (default: new).
     Raises ``RuntimeError`` when the kernel is unavailable (check :func:`native_available`) and
     ``ValueError`` for a format it does not read.
@@ -242,9 +267,10 @@ def decode_attention_native(
     lib = _library()
     if lib is None:
         raise RuntimeError(f"native CPU decode kernel unavailable: {_state.get('error')}")
-    if not native_formats_ok(k_fmt, v_fmt):
+    if not native_formats_ok(k_fmt, v_fmt, q.shape[-1]):
         raise ValueError(
-            f"k_fmt / v_fmt: the native kernel reads quantized formats only, got {k_fmt!r} / {v_fmt!r}"
+            f"k_fmt / v_fmt / head_dim: the native kernel reads quantized formats at head_dim <= "
+            f"{MAX_HEAD_DIM}, got {k_fmt!r} / {v_fmt!r} at {q.shape[-1]}"
         )
     b, hq, d = q.shape
     hkv = k_codes.shape[1]
@@ -259,17 +285,25 @@ def decode_attention_native(
             )
     if b == 0:
         return out, lse
-    start = start.to(torch.int64)
+    if start.dtype != torch.int64:
+        start = start.to(torch.int64)
     block = k_group if k_axis == "channel" else 1
     lo = max(0, min(int(start.min()), end) // block * block)
     keep: list = []
-    k_op = _operand(k_codes, k_scale, k_zero, k_fmt, k_group, k_axis, lo, end, keep)
-    v_op = _operand(v_codes, v_scale, v_zero, v_fmt, v_group, "token", lo, end, keep)
+    k_op = _operand(k_codes, k_scale, k_zero, k_fmt, k_group, k_axis, lo, keep)
+    v_op = _operand(v_codes, v_scale, v_zero, v_fmt, v_group, "token", lo, keep)
     rel_start = (start - lo).contiguous()
+    n_fp, fk, fv, valid = 0, None, None, None
+    if fp_k is not None and fp_k.shape[2] > 0:
+        n_fp = fp_k.shape[2]
+        fk, fv = ctypes.byref(_fp_operand(fp_k, keep)), ctypes.byref(_fp_operand(fp_v, keep))
+        valid = fp_valid.to(torch.uint8).contiguous()
+        keep.append(valid)
     rc = lib.kvq_decode(
         qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), rel_start.data_ptr(),
         end - lo, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
         _threads(b * hkv * (end - lo)) if threads is None else threads,
+        fk, fv, None if valid is None else valid.data_ptr(), n_fp,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("native CPU decode kernel: out of memory")

@@ -21,9 +21,9 @@
 typedef struct {
     const uint8_t *codes;             /* [B, H, T, W] bytes, rows start at token 0 of the slice */
     int64_t code_sb, code_sh, code_st;/* byte strides of batch, head, token (the W bytes are contiguous) */
-    const float *scale;               /* token axis: [B, H, T, ng]; channel axis: [B, H, T/group, D]; NULL: none */
-    int64_t scale_sb, scale_sh, scale_st;
-    const float *zero;                /* same layout as scale, or NULL */
+    const void *scale;                /* token axis: [B, H, T, ng]; channel axis: [B, H, T/group, D]; NULL: none */
+    int64_t scale_sb, scale_sh, scale_st; /* element strides */
+    const void *zero;                 /* same layout and dtype as scale, or NULL */
     int64_t zero_sb, zero_sh, zero_st;
     const float *lut;                 /* code -> level table (fp8, codebooks), or NULL */
     int32_t bits;                     /* 8, 4, 3 or 2 */
@@ -31,7 +31,33 @@ typedef struct {
     int32_t n_groups;                 /* token axis: scale groups per head vector */
     int32_t channel_axis;             /* 1: one scale row per `group` tokens, D entries per row */
     int32_t group;                    /* channel axis: tokens per scale row */
+    int32_t scale_dtype;              /* scale / zero storage: 0 fp32, 1 fp16, 2 bf16 */
 } kvq_operand;
+
+/* n scale / zero entries starting at element i of p (stored as `dtype`) -> fp32 dst. */
+static inline void load_f32(const void *p, int dtype, int64_t i, int n, float *restrict dst) {
+    if (dtype == 0) {
+        memcpy(dst, (const float *)p + i, sizeof(float) * (size_t)n);
+    } else if (dtype == 1) {
+        const _Float16 *hp = (const _Float16 *)p + i;
+        for (int k = 0; k < n; k++) dst[k] = (float)hp[k];
+    } else {
+        const uint16_t *u = (const uint16_t *)p + i;
+        for (int k = 0; k < n; k++) {
+            const uint32_t w = (uint32_t)u[k] << 16;
+            memcpy(dst + k, &w, sizeof(w));
+        }
+    }
+}
+
+/* The scale (and zero) row of token t: D entries (channel axis) or n_groups (token axis). */
+static inline void load_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t, int D,
+                               float *restrict s, float *restrict z) {
+    const int64_t r = o->channel_axis ? t / o->group : t;
+    const int n = o->channel_axis ? D : o->n_groups;
+    load_f32(o->scale, o->scale_dtype, b * o->scale_sb + h * o->scale_sh + r * o->scale_st, n, s);
+    if (o->zero) load_f32(o->zero, o->scale_dtype, b * o->zero_sb + h * o->zero_sh + r * o->zero_st, n, z);
+}
 
 /* exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7; vectorizes. */
 #pragma omp declare simd notinbranch
@@ -79,6 +105,10 @@ static void unpack_row(const uint8_t *restrict c, int bits, int D, uint8_t *rest
 static inline void load_row(const kvq_operand *o, int64_t b, int64_t h, int64_t t, int D,
                             uint8_t *restrict idx, float *restrict out) {
     const uint8_t *restrict c = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
+    if (o->bits == 32) { /* full-precision rows (sink / residual / new tokens): fp32 as they are */
+        memcpy(out, c, sizeof(float) * (size_t)D);
+        return;
+    }
     if (o->lut) {
         unpack_row(c, o->bits, D, idx);
         for (int d = 0; d < D; d++) out[d] = o->lut[idx[d]];
@@ -105,19 +135,17 @@ static inline void load_row(const kvq_operand *o, int64_t b, int64_t h, int64_t 
             for (int j = 0; j < w1; j++) out[j + k * w1] += (float)(((c[w + j] >> k) & 1) << 2);
     }
     if (!o->scale) return;
+    float s[512], zb[512];
+    load_scales(o, b, h, t, D, s, zb);
+    const float *z = o->zero ? zb : NULL;
     if (o->channel_axis) {
-        const int64_t row = t / o->group;
-        const float *s = o->scale + b * o->scale_sb + h * o->scale_sh + row * o->scale_st;
-        if (o->zero) {
-            const float *z = o->zero + b * o->zero_sb + h * o->zero_sh + row * o->zero_st;
+        if (z) {
             for (int d = 0; d < D; d++) out[d] = out[d] * s[d] + z[d];
         } else {
             for (int d = 0; d < D; d++) out[d] *= s[d];
         }
         return;
     }
-    const float *s = o->scale + b * o->scale_sb + h * o->scale_sh + t * o->scale_st;
-    const float *z = o->zero ? o->zero + b * o->zero_sb + h * o->zero_sh + t * o->zero_st : NULL;
     const int gs = D / o->n_groups;
     for (int n = 0; n < o->n_groups; n++) {
         float *x = out + n * gs;
@@ -187,11 +215,12 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
     for (int64_t i = 0; i < nt; i++) {
         const int64_t t = t0 + i;
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
+        float sb[512], zb[512];
         const float *s = NULL, *z = NULL;
         if (o->scale) {
-            const int64_t r = o->channel_axis ? t / o->group : t;
-            s = o->scale + b * o->scale_sb + h * o->scale_sh + r * o->scale_st;
-            if (o->zero) z = o->zero + b * o->zero_sb + h * o->zero_sh + r * o->zero_st;
+            load_scales(o, b, h, t, (int)D, sb, zb);
+            s = sb;
+            if (o->zero) z = zb;
         }
         float *dst = out + i * D;
         for (int c = 0; c < nc; c++) {
@@ -311,7 +340,8 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
 static void decode_head_generic(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
                                 const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin,
                                 int64_t T, float scaling, float softcap, float *kf, float *vf,
-                                uint8_t *idx, float *sc, float *m, float *l, float *acc) {
+                                uint8_t *idx, float *sc, float *m, float *l, float *acc,
+                                const uint8_t *valid) {
     for (int64_t t0 = t_begin; t0 < T; t0 += BLOCK_T) {
         const int64_t nt = T - t0 < BLOCK_T ? T - t0 : BLOCK_T;
         for (int64_t i = 0; i < nt; i++) {
@@ -323,6 +353,7 @@ static void decode_head_generic(const float *qh, int64_t G, int64_t D, const kvq
                 for (int64_t d = 0; d < D; d++) dot += qg[d] * kf[d];
                 dot *= scaling;
                 if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+                if (valid && !valid[t0 + i]) dot = -INFINITY; /* masked: weight exactly 0 */
                 sc[g * BLOCK_T + i] = dot;
             }
         }
@@ -335,7 +366,10 @@ static void decode_head_generic(const float *qh, int64_t G, int64_t D, const kvq
                 mx = sg[i] > mx ? sg[i] : mx;
             }
             if (nan_seen) { m[g] = NAN; continue; } /* a NaN score poisons the row, as in torch */
-            if (mx == -INFINITY) continue;
+            if (mx == -INFINITY) { /* every token of the block masked so far: no weight */
+                for (int64_t i = 0; i < nt; i++) sg[i] = 0.0f;
+                continue;
+            }
             const float corr = m[g] == -INFINITY ? 0.0f : exp_nonpos(m[g] - mx);
             float sum = 0.0f;
             for (int64_t i = 0; i < nt; i++) { sg[i] = exp_nonpos(sg[i] - mx); sum += sg[i]; }
@@ -365,6 +399,9 @@ typedef struct {
     int64_t r0, r1; /* this worker's token range of the slice */
     float scaling, softcap;
     float *acc, *m, *l; /* partials: [B, Hkv, G, D], [B, Hkv, G], [B, Hkv, G] */
+    const kvq_operand *fp_k, *fp_v; /* full-precision tokens (first job only), or NULL */
+    const uint8_t *fp_valid;       /* [B, n_fp]: 1 = attend */
+    int64_t n_fp;
     int status;
 } kvq_job;
 
@@ -385,6 +422,9 @@ static void *run_job(void *arg) {
             float *acc = j->acc + bh * G * D, *m = j->m + bh * G, *l = j->l + bh * G;
             for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
             for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+            if (j->fp_k) /* the full-precision tokens, once (first job), masked per row */
+                decode_head_generic(qh, G, D, j->fp_k, j->fp_v, b, h, 0, j->n_fp, j->scaling, j->softcap,
+                                    kf, vf, idx, sc, m, l, acc, j->fp_valid + b * j->n_fp);
             const int64_t t_begin = j->start[b] > j->r0 ? j->start[b] : j->r0;
 #if defined(__AVX512F__)
             if (D % 16 == 0 && G <= 64)
@@ -393,7 +433,7 @@ static void *run_job(void *arg) {
             else
 #endif
                 decode_head_generic(qh, G, D, j->k, j->v, b, h, t_begin, j->r1, j->scaling, j->softcap,
-                                    kf, vf, idx, sc, m, l, acc);
+                                    kf, vf, idx, sc, m, l, acc, NULL);
         }
     }
     free(kf); free(vf); free(idx); free(sc);
@@ -402,11 +442,13 @@ static void *run_job(void *arg) {
 
 /* q [B, Hkv, G, D] fp32 contiguous; start [B]: first token of each row in the slice; T: slice length.
  * Writes out [B, Hkv, G, D] and lse [B, Hkv, G] (natural log; -inf and zeros for an empty row).
- * softcap <= 0: none. n_threads > 1 splits the tokens into that many ranges (split-KV, one thread
+ * softcap <= 0: none. fp_k / fp_v (bits 32, float rows, n_fp tokens; NULL when n_fp is 0): full-
+ * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1. n_threads > 1 splits the tokens into that many ranges (split-KV, one thread
  * each, OpenMP), merged by log-sum-exp. Returns 0, or -1 when out of memory. */
 int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                const kvq_operand *k, const kvq_operand *v, const int64_t *start, int64_t T,
-               float scaling, float softcap, float *out, float *lse, int n_threads) {
+               float scaling, float softcap, float *out, float *lse, int n_threads,
+               const kvq_operand *fp_k, const kvq_operand *fp_v, const uint8_t *fp_valid, int64_t n_fp) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > 64) n_threads = 64;
     int64_t lo = T;
@@ -422,6 +464,8 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
         j->r1 = lo + (w + 1) * per < T ? lo + (w + 1) * per : T;
         j->scaling = scaling; j->softcap = softcap;
         j->status = 0;
+        j->fp_k = w == 0 && n_fp > 0 ? fp_k : NULL;
+        j->fp_v = fp_v; j->fp_valid = fp_valid; j->n_fp = n_fp;
         if (w == 0) {
             j->acc = out; j->m = lse; j->l = malloc(sizeof(float) * (size_t)n_part);
         } else {

@@ -130,7 +130,7 @@ def test_bad_buffers_and_formats_get_one_clear_error():
     args = dict(k_fmt="int4", v_fmt="int4", k_group=16, v_group=16, k_axis="token", start=torch.tensor([0]), end=4, scaling=1.0)  # fmt: skip
     with pytest.raises(ValueError, match="out: expected a contiguous float32 tensor"):
         native.decode_attention_native(torch.randn(1, 1, 16), *parts, *parts, out=torch.empty(1, 16), **args)
-    with pytest.raises(ValueError, match="k_fmt / v_fmt"):
+    with pytest.raises(ValueError, match="k_fmt / v_fmt / head_dim"):
         native.decode_attention_native(torch.randn(1, 1, 16), k, None, None, k, None, None, **dict(args, k_fmt="none", v_fmt="none"))  # fmt: skip
 
 
@@ -161,3 +161,17 @@ def test_the_build_is_cached_by_source_flags_and_compiler(monkeypatch, tmp_path)
     assert native.native_available()  # a second process reuses the file
     assert built[0].stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "native").iterdir()] == [built[0].name]  # no temp files left
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_scales_are_read_in_their_stored_dtype(scale_dtype, axis):
+    torch.manual_seed(5)
+    b, h, g, d, t = 1, 2, 2, 64, 64
+    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    q = torch.randn(b, h * g, d)
+    kq = quantize(k, "int4", group_size=16 if axis == "channel" else 32, axis=axis, scale_dtype=scale_dtype)
+    vq = quantize(v, "int2", group_size=32, scale_dtype=scale_dtype)
+    assert kq.scale.dtype == scale_dtype
+    args = dict(k_fmt="int4", v_fmt="int2", k_group=16 if axis == "channel" else 32, v_group=32, k_axis=axis, start=torch.tensor([3]), end=t, scaling=0.125)  # fmt: skip
+    _compare(q, (kq.codes, kq.scale, kq.zero), (vq.codes, vq.scale, vq.zero), **args)
