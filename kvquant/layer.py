@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.config import KVQuantConfig
 from kvquant.formats import QuantizedBlock, round_to_dtype
+from kvquant.native import quantize_into_store
 from kvquant.rotation import rotate, unrotate
 from kvquant.store import TokenStore
 
@@ -215,6 +216,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             k, v = rotate(k), rotate(v)
         index = self.store_end - self.base
         ks, vs = self.k_store, self.v_store
+        if quantize_into_store(ks, index, k) and quantize_into_store(vs, index, v):  # CPU: C kernel
+            self.store_end += n
+            return
         same = (ks.fmt, ks.group_size, ks.axis, ks.static_scale) == (vs.fmt, vs.group_size, vs.axis, None)
         if same and ks.static_scale is None and k.shape == v.shape:  # one quantize call for K and V
             both = ks.quantize(torch.cat([k, v], dim=0))

@@ -120,6 +120,10 @@ def _library():
         fn.argtypes = [p, i64, i64, i64, i64, ctypes.POINTER(_Operand), ctypes.POINTER(_Operand)]
         fn.argtypes += [p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
         fn.argtypes += [ctypes.POINTER(_Operand), ctypes.POINTER(_Operand), p, i64]
+        qz = lib.kvq_quantize
+        qz.restype = ctypes.c_int
+        qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
+        qz.argtypes += [ctypes.c_int] * 4
         _state["lib"] = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         _state["error"] = str(err)
@@ -308,3 +312,40 @@ def decode_attention_native(
     if rc != 0:
         raise MemoryError("native CPU decode kernel: out of memory")
     return out, lse
+
+
+def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
+    """Quantize ``x [B, H, n, D]`` into ``store`` (a :class:`kvquant.store.QuantizedStore`) at buffer
+    index ``index``, in place, with the C twin of :func:`kvquant.formats.quantize` (bit-exact).
+
+    Returns False, writing nothing the store counts, where the kernel does not apply (CPU integer
+    formats along the token axis with computed scales only; or no kernel), so the caller takes the
+    torch path; that path also raises the torch spec's error for inputs it refuses.
+    """
+    spec = store.spec
+    if (
+        x.is_cuda
+        or store.axis != "token"
+        or store.static_scale is not None
+        or spec.kind not in ("int_sym", "int_asym")
+        or store.scale_dtype not in _SCALE_DTYPES
+        or _library() is None
+    ):
+        return False
+    xf = x.float()
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    b, h, n, d = xf.shape
+    codes, scale = store.codes, store.scale
+    zero = store.zero if store.zero is not None else scale
+    cs, ss, xs = _strides(codes), _strides(scale), _strides(xf)
+    rc = _state["lib"].kvq_quantize(
+        xf.data_ptr(), b, h, n, d, *xs,
+        codes.data_ptr() + index * codes.stride(2), *cs,
+        scale.data_ptr() + index * scale.stride(2) * scale.element_size(),
+        zero.data_ptr() + index * zero.stride(2) * zero.element_size(), *ss,
+        _SCALE_DTYPES[store.scale_dtype], spec.bits, int(spec.kind == "int_sym"), scale.shape[-1],
+    )  # fmt: skip
+    if rc < 0:
+        raise MemoryError("native CPU quantize kernel: out of memory")
+    return rc == 0

@@ -524,3 +524,141 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
     for (int w = 1; w < n_threads; w++) { free(jobs[w].acc); free(jobs[w].m); free(jobs[w].l); }
     return rc;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * Quantize-and-append on CPU: the twin of kvquant.formats.quantize for the integer formats along
+ * the token axis (int8 symmetric; int4 / int3 / int2 with a zero point), writing codes, scales and
+ * zero points straight into the store's buffers. Bit-exact with the torch spec: min / max / |max|
+ * per group in fp32, scale and zero point rounded to their storage dtype in the directed way the
+ * spec uses (zero point down, scale up), codes by round-half-even of (x - zero) / scale.
+ */
+
+/* fp32 -> fp16 / bf16 bits rounded to nearest even, then one step toward `direction` when that
+ * went the wrong way (exactly formats.round_to_dtype). dtype 1: fp16, 2: bf16. */
+static uint16_t round_half(float x, int dtype, int direction) {
+    uint16_t y;
+    float back;
+    if (dtype == 1) {
+        const _Float16 hv = (_Float16)x;
+        memcpy(&y, &hv, sizeof(y));
+        back = (float)hv;
+    } else {
+        uint32_t u;
+        memcpy(&u, &x, sizeof(u));
+        y = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        const uint32_t w = (uint32_t)y << 16;
+        memcpy(&back, &w, sizeof(back));
+    }
+    const int wrong = direction > 0 ? back < x : back > x;
+    if (!wrong) return y;
+    const uint16_t sign = dtype == 1 ? 0x8000 : 0x8000;
+    if ((y & 0x7FFF) == 0) return direction > 0 ? 0x0001 : (uint16_t)(sign | 0x0001); /* from +-0 */
+    const int positive = !(y & sign);
+    return (positive == (direction > 0)) ? (uint16_t)(y + 1) : (uint16_t)(y - 1);
+}
+
+static float half_to_float(uint16_t y, int dtype) {
+    if (dtype == 1) {
+        _Float16 hv;
+        memcpy(&hv, &y, sizeof(hv));
+        return (float)hv;
+    }
+    const uint32_t w = (uint32_t)y << 16;
+    float f;
+    memcpy(&f, &w, sizeof(f));
+    return f;
+}
+
+/* Round v to the storage dtype in `direction`; store it at element i of p; return it as fp32. */
+static float store_scalar(void *p, int64_t i, int dtype, float v, int direction) {
+    if (dtype == 0) {
+        ((float *)p)[i] = v;
+        return v;
+    }
+    const uint16_t y = round_half(v, dtype, direction);
+    ((uint16_t *)p)[i] = y;
+    return half_to_float(y, dtype);
+}
+
+/* x [B, H, n, D] fp32 (element strides, D contiguous) -> codes / scale / zero at the store's
+ * position (pointers already offset there; codes byte strides, scale/zero element strides).
+ * bits 8 + is_signed: int8 symmetric; bits 4 / 3 / 2: asymmetric. Returns 0, 1 when an input or a
+ * rounded scale / zero point is not finite (nothing useful written: the caller re-runs the torch
+ * path, which raises its message), -1 when out of memory. */
+int kvq_quantize(const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb, int64_t xsh,
+                 int64_t xst, uint8_t *codes, int64_t csb, int64_t csh, int64_t cst, void *scale,
+                 void *zero, int64_t ssb, int64_t ssh, int64_t sst, int scale_dtype, int bits,
+                 int is_signed, int n_groups) {
+    const int64_t gs = D / n_groups;
+    const float qmax = bits == 8 ? 127.0f : (float)((1 << bits) - 1);
+    uint8_t *q = malloc((size_t)D);
+    if (!q) return -1;
+    int bad = 0;
+    for (int64_t b = 0; b < B && !bad; b++)
+        for (int64_t h = 0; h < H && !bad; h++)
+            for (int64_t t = 0; t < n && !bad; t++) {
+                const float *row = x + b * xsb + h * xsh + t * xst;
+                const int64_t si = b * ssb + h * ssh + t * sst;
+                for (int64_t g = 0; g < n_groups; g++) {
+                    const float *xg = row + g * gs;
+                    uint8_t *qg = q + g * gs;
+                    if (is_signed) {
+                        float amax = 0.0f;
+                        for (int64_t d = 0; d < gs; d++) {
+                            if (!isfinite(xg[d])) bad = 1;
+                            const float a = fabsf(xg[d]);
+                            amax = a > amax ? a : amax;
+                        }
+                        float raw = amax / qmax;
+                        if (raw == 0.0f) raw = 1.0f;
+                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                        if (!isfinite(s)) bad = 1;
+                        for (int64_t d = 0; d < gs; d++) {
+                            float y = xg[d] / s;
+                            y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
+                            qg[d] = (uint8_t)(int8_t)nearbyintf(y);
+                        }
+                    } else {
+                        float mn = xg[0], mx = xg[0];
+                        for (int64_t d = 0; d < gs; d++) {
+                            if (!isfinite(xg[d])) bad = 1;
+                            mn = xg[d] < mn ? xg[d] : mn;
+                            mx = xg[d] > mx ? xg[d] : mx;
+                        }
+                        const float z = store_scalar(zero, si + g, scale_dtype, mn, -1);
+                        float raw = (mx - z) / qmax;
+                        if (raw == 0.0f) raw = 1.0f;
+                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                        if (!isfinite(s) || !isfinite(z)) bad = 1;
+                        for (int64_t d = 0; d < gs; d++) {
+                            float y = nearbyintf((xg[d] - z) / s);
+                            y = y < 0.0f ? 0.0f : (y > qmax ? qmax : y);
+                            qg[d] = (uint8_t)y;
+                        }
+                    }
+                }
+                uint8_t *c = codes + b * csb + h * csh + t * cst;
+                if (bits == 8) {
+                    memcpy(c, q, (size_t)D);
+                } else if (bits == 4) {
+                    const int64_t w = D / 2;
+                    for (int64_t j = 0; j < w; j++) c[j] = (uint8_t)(q[j] | (q[j + w] << 4));
+                } else if (bits == 2) {
+                    const int64_t w = D / 4;
+                    for (int64_t j = 0; j < w; j++)
+                        c[j] = (uint8_t)(q[j] | (q[j + w] << 2) | (q[j + 2 * w] << 4) | (q[j + 3 * w] << 6));
+                } else { /* 3: int2 plane of the low bits, then the high bits eight per byte */
+                    const int64_t w = D / 4, w1 = D / 8;
+                    for (int64_t j = 0; j < w; j++)
+                        c[j] = (uint8_t)((q[j] & 3) | ((q[j + w] & 3) << 2) | ((q[j + 2 * w] & 3) << 4) |
+                                         ((q[j + 3 * w] & 3) << 6));
+                    for (int64_t j = 0; j < w1; j++) {
+                        uint8_t byte = 0;
+                        for (int k = 0; k < 8; k++) byte |= (uint8_t)(((q[j + k * w1] >> 2) & 1) << k);
+                        c[w + j] = byte;
+                    }
+                }
+            }
+    free(q);
+    return bad;
+}

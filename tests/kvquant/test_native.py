@@ -175,3 +175,50 @@ def test_scales_are_read_in_their_stored_dtype(scale_dtype, axis):
     assert kq.scale.dtype == scale_dtype
     args = dict(k_fmt="int4", v_fmt="int2", k_group=16 if axis == "channel" else 32, v_group=32, k_axis=axis, start=torch.tensor([3]), end=t, scaling=0.125)  # fmt: skip
     _compare(q, (kq.codes, kq.scale, kq.zero), (vq.codes, vq.scale, vq.zero), **args)
+
+
+# ------------------------------------------------------------------------------------ quantize-and-append
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [None, 16])
+def test_native_quantize_is_bit_exact_with_the_torch_spec(fmt, scale_dtype, group):
+    from kvquant.store import TokenStore
+
+    torch.manual_seed(6)
+    b, h, n, d = 2, 3, 37, 64
+    x = torch.randn(b, h, n, d) * torch.logspace(-6, 3, n)[None, None, :, None]  # tiny .. large rows
+    x[0, 0, 0] = 0.25  # a constant group: scale 1 by the spec
+    x[1, 2, 5, :16] = 0.0
+    x[1, 1, 7] = 3e-8  # scales / zero points underflow to fp16 subnormals
+    store = TokenStore(fmt, group or d, "token", scale_dtype)
+    store.allocate(b, h, d, 64, torch.float32, x.device)
+    index = 5
+    assert native.quantize_into_store(store, index, x)
+    ref = quantize(x, fmt, group_size=group, scale_dtype=scale_dtype)
+    assert torch.equal(store.codes[:, :, index : index + n], ref.codes)
+    assert torch.equal(store.scale[:, :, index : index + n], ref.scale)
+    if ref.zero is not None:
+        assert torch.equal(store.zero[:, :, index : index + n], ref.zero)
+    assert (store.codes[:, :, :index] == 0).all() and (store.codes[:, :, index + n :] == 0).all()
+
+
+def test_native_quantize_refuses_what_the_spec_refuses():
+    from kvquant.store import TokenStore
+
+    store = TokenStore("int4", 16, "token", torch.float16)
+    store.allocate(1, 1, 16, 8, torch.float32, torch.device("cpu"))
+    bad = torch.randn(1, 1, 2, 16)
+    bad[0, 0, 1, 3] = float("nan")
+    assert not native.quantize_into_store(store, 0, bad)  # the caller's torch path raises
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(bad, "int4")
+    huge = torch.full((1, 1, 1, 16), 1e6)
+    huge[..., 0] = -1e6
+    assert not native.quantize_into_store(store, 0, huge)  # scale beyond fp16
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize(huge, "int4")
+    for other in (TokenStore("fp8_e4m3", 16, "token", torch.float16), TokenStore("int4", 4, "channel", torch.float16)):  # fmt: skip
+        other.allocate(1, 1, 16, 8, torch.float32, torch.device("cpu"))
+        assert not native.quantize_into_store(other, 0, torch.randn(1, 1, 4, 16))
