@@ -194,7 +194,7 @@ static int avx_loadable(const kvq_operand *o, int64_t D) {
  * (one shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert, a
  * 16-entry permute for codebooks, a gather for fp8) -> times scale plus zero point. */
 static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt,
-                         int64_t D, float *out) {
+                         int64_t D, float *out, int raw) {
     const int nc = (int)(D / 16);
     int off[32], shift[32], off1[32], shift1[32];
     const int w = o->bits == 8 ? (int)D : (int)(o->bits == 4 ? D / 2 : D / 4);
@@ -217,7 +217,7 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
         float sb[512], zb[512];
         const float *s = NULL, *z = NULL;
-        if (o->scale) {
+        if (o->scale && !raw) {
             load_scales(o, b, h, t, (int)D, sb, zb);
             s = sb;
             if (o->zero) z = zb;
@@ -273,6 +273,16 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, n));
 }
 
+/* Scale and zero point of tokens t0 .. t0+nt-1 for a one-scale-per-token operand, as 16 lanes
+ * (0 beyond nt; zero 0 without zero points). */
+static inline void token_scales16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt,
+                                  __m512 *s, __m512 *z) {
+    float sv[16] = {0}, zv[16] = {0};
+    for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 1, sv + i, zv + i);
+    *s = _mm512_loadu_ps(sv);
+    *z = o->zero ? _mm512_loadu_ps(zv) : _mm512_setzero_ps();
+}
+
 /* One (batch row, KV head), tokens [t_begin, T) in blocks of 16: each block's key and value rows
  * are dequantized into kb / vb [16, D] (L1-resident), scores for 16 tokens come out of one
  * hsum16, the softmax runs on 16 lanes, and each query head's accumulator chunk stays in a
@@ -283,13 +293,28 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
                                uint8_t *idx, float *m, float *l, float *acc) {
     const int64_t nc = D / 16;
     const int k_fast = avx_loadable(k, D), v_fast = avx_loadable(v, D);
+    /* one scale (and zero point) per token: fold them out of the rows. Scores are
+     * s_t (q . c_t) + z_t sum(q); values accumulate (p_t s_t) c_t, and sum_t p_t z_t per query head
+     * on the side (zacc), added to every channel at the end */
+    const int k_fold = k_fast && k->scale && !k->channel_axis && k->n_groups == 1;
+    const int v_fold = v_fast && v->scale && !v->channel_axis && v->n_groups == 1;
     float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
+    float qsum[64], zacc[64];
+    for (int64_t g = 0; g < G; g++) {
+        float t = 0.0f;
+        for (int64_t d = 0; d < D; d++) t += qh[g * D + d];
+        qsum[g] = t;
+        zacc[g] = 0.0f;
+    }
     for (int64_t t0 = t_begin; t0 < T; t0 += 16) {
         const int64_t nt = T - t0 < 16 ? T - t0 : 16;
-        if (k_fast) load_block16(k, b, h, t0, nt, D, kb);
+        if (k_fast) load_block16(k, b, h, t0, nt, D, kb, k_fold);
         else for (int64_t i = 0; i < nt; i++) load_row(k, b, h, t0 + i, (int)D, idx, kb + i * D);
-        if (v_fast) load_block16(v, b, h, t0, nt, D, vb);
+        if (v_fast) load_block16(v, b, h, t0, nt, D, vb, v_fold);
         else for (int64_t i = 0; i < nt; i++) load_row(v, b, h, t0 + i, (int)D, idx, vb + i * D);
+        __m512 ks16 = _mm512_setzero_ps(), kz16 = ks16, vs16 = ks16, vz16 = ks16;
+        if (k_fold) token_scales16(k, b, h, t0, nt, &ks16, &kz16);
+        if (v_fold) token_scales16(v, b, h, t0, nt, &vs16, &vz16);
         const __mmask16 valid = (__mmask16)((1u << nt) - 1u);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qh + g * D;
@@ -302,7 +327,9 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
                     a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(row + 16 * c), a);
                 part[i] = a;
             }
-            __m512 s = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scaling));
+            __m512 s = hsum16(part);
+            if (k_fold) s = _mm512_fmadd_ps(s, ks16, _mm512_mul_ps(kz16, _mm512_set1_ps(qsum[g])));
+            s = _mm512_mul_ps(s, _mm512_set1_ps(scaling));
             if (softcap > 0.0f) {
                 float tmp[16];
                 _mm512_storeu_ps(tmp, s);
@@ -322,7 +349,12 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
             const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
             l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
             m[g] = mx;
-            _mm512_storeu_ps(pg, p);
+            if (v_fold) {
+                zacc[g] = zacc[g] * corr + _mm512_reduce_add_ps(_mm512_mul_ps(p, vz16));
+                _mm512_storeu_ps(pg, _mm512_mul_ps(p, vs16));
+            } else {
+                _mm512_storeu_ps(pg, p);
+            }
             float *ag = acc + g * D;
             const __m512 vc = _mm512_set1_ps(corr);
             for (int64_t c = 0; c < nc; c++) {
@@ -333,6 +365,10 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
             }
         }
     }
+    if (v_fold && v->zero)
+        for (int64_t g = 0; g < G; g++)
+            if (!isnan(m[g]))
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g];
 }
 #endif
 
