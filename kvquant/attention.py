@@ -194,11 +194,19 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
     return out, lse
 
 
-def _fp_tokens(view: KVView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fp_tokens(view: KVView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The full-precision tokens a decode step attends to: sinks, tail, the new token, as
-    ``k, v [B, H, n, D]`` and ``valid [B, n]`` (False: padding, or outside the visible history)."""
+    ``k, v [B, H, n, D]`` and ``valid [B, n]`` (False: padding, or outside the visible history;
+    None when every token is valid)."""
     layer = view.layer
     pads = layer.pads
+    sinks = layer.sink_k is not None and view.hist_begin < view.store_end
+    n_sink = layer.sink_k.shape[2] if sinks else 0
+    if layer.pads_max == 0 and view.hist_begin == 0 and n_sink <= view.store_end:
+        valid = None  # no padding, nothing scrolled out of view: every token counts (no mask to build)
+        parts_k = ([layer.sink_k] if sinks else []) + [view.tail_k, view.new_k]
+        parts_v = ([layer.sink_v] if sinks else []) + [view.tail_v, view.new_v]
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), None
     parts_k, parts_v, valid = [], [], []
     if layer.sink_k is not None and view.hist_begin < view.store_end:
         pos = pads[:, None] + torch.arange(layer.sink_k.shape[2], device=pads.device)  # [B, S]
@@ -221,7 +229,8 @@ def _fp_tokens(view: KVView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _fp_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None):
     """Attention of ``q[B, Hq, D]`` over the full-precision tokens: sinks, tail, the new token."""
     k, v, valid = _fp_tokens(view)
-    out, lse = dense_attention(q[:, :, None], k, v, valid[:, None, None, :], scaling, softcap)
+    mask = None if valid is None else valid[:, None, None, :]
+    out, lse = dense_attention(q[:, :, None], k, v, mask, scaling, softcap)
     return out[:, :, 0], lse[:, :, 0]
 
 

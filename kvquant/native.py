@@ -256,8 +256,8 @@ def decode_attention_native(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kvquant.decode_cpu.decode_attention_torch` in C (CPU tensors; see there for shapes).
 
-    ``fp_k / fp_v [B, Hkv, n, D]`` with ``fp_valid [B, n]`` (bool): full-precision tokens (sinks,
-    residual, the new token) attended in the same softmax where valid, so the result is the whole
+    ``fp_k / fp_v [B, Hkv, n, D]`` with ``fp_valid [B, n]`` (bool; None: all valid): full-precision
+    tokens (sinks, residual, the new token) attended in the same softmax where valid, so the result is the whole
     attention and needs no merge. ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
     ``out [B, Hq, D]`` / ``lse [B, Hq]``: fp32 contiguous buffers to write into (default: new).
     Raises ``RuntimeError`` when the kernel is unavailable (check :func:`native_available`) and
@@ -301,8 +301,9 @@ def decode_attention_native(
     if fp_k is not None and fp_k.shape[2] > 0:
         n_fp = fp_k.shape[2]
         fk, fv = ctypes.byref(_fp_operand(fp_k, keep)), ctypes.byref(_fp_operand(fp_v, keep))
-        valid = fp_valid.to(torch.uint8).contiguous()
-        keep.append(valid)
+        if fp_valid is not None:
+            valid = fp_valid.to(torch.uint8).contiguous()
+            keep.append(valid)
     rc = lib.kvq_decode(
         qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), rel_start.data_ptr(),
         end - lo, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),

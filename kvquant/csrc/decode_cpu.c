@@ -460,7 +460,7 @@ static void *run_job(void *arg) {
             for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
             if (j->fp_k) /* the full-precision tokens, once (first job), masked per row */
                 decode_head_generic(qh, G, D, j->fp_k, j->fp_v, b, h, 0, j->n_fp, j->scaling, j->softcap,
-                                    kf, vf, idx, sc, m, l, acc, j->fp_valid + b * j->n_fp);
+                                    kf, vf, idx, sc, m, l, acc, j->fp_valid ? j->fp_valid + b * j->n_fp : NULL);
             const int64_t t_begin = j->start[b] > j->r0 ? j->start[b] : j->r0;
 #if defined(__AVX512F__)
             if (D % 16 == 0 && G <= 64)
@@ -479,7 +479,7 @@ static void *run_job(void *arg) {
 /* q [B, Hkv, G, D] fp32 contiguous; start [B]: first token of each row in the slice; T: slice length.
  * Writes out [B, Hkv, G, D] and lse [B, Hkv, G] (natural log; -inf and zeros for an empty row).
  * softcap <= 0: none. fp_k / fp_v (bits 32, float rows, n_fp tokens; NULL when n_fp is 0): full-
- * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1. n_threads > 1 splits the tokens into that many ranges (split-KV, one thread
+ * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1 (NULL: all). n_threads > 1 splits the tokens into that many ranges (split-KV, one thread
  * each, OpenMP), merged by log-sum-exp. Returns 0, or -1 when out of memory. */
 int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                const kvq_operand *k, const kvq_operand *v, const int64_t *start, int64_t T,

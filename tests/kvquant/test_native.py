@@ -222,3 +222,26 @@ def test_native_quantize_refuses_what_the_spec_refuses():
     for other in (TokenStore("fp8_e4m3", 16, "token", torch.float16), TokenStore("int4", 4, "channel", torch.float16)):  # fmt: skip
         other.allocate(1, 1, 16, 8, torch.float32, torch.device("cpu"))
         assert not native.quantize_into_store(other, 0, torch.randn(1, 1, 4, 16))
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_full_precision_tokens_join_the_same_softmax(with_mask):
+    from kvquant.attention import dense_attention, merge_partials
+
+    torch.manual_seed(7)
+    b, h, g, d, t, n = 2, 2, 3, 64, 50, 7
+    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    fk, fv = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    valid = torch.rand(b, n) > 0.3 if with_mask else None
+    if valid is not None:
+        valid[:, -1] = True  # the new token always counts
+    q = torch.randn(b, h * g, d)
+    args = dict(k_fmt="int4", v_fmt="nuq2", k_group=64, v_group=32, k_axis="token", start=torch.tensor([0, 9]), end=t, scaling=0.125)  # fmt: skip
+    kp, vp = _store("int4", k, 64), _store("nuq2", v, 32)
+    s_out, s_lse = decode_attention_torch(q, *kp, *vp, **args)
+    mask = None if valid is None else valid[:, None, None, :]
+    f_out, f_lse = dense_attention(q[:, :, None], fk, fv, mask, 0.125)
+    ref = merge_partials([s_out, f_out[:, :, 0]], [s_lse, f_lse[:, :, 0]])
+    out = torch.full_like(ref, float("nan"))
+    got, _ = native.decode_attention_native(q, *kp, *vp, fp_k=fk, fp_v=fv, fp_valid=valid, out=out, **args)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-5
