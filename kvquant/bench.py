@@ -1,7 +1,9 @@
 """``kvquant bench``: decode speed benchmarks. They report; they never gate on wall time.
 
 ``kvquant bench cpu``: decode tokens/s of a model (default: the embedded SmolLM2) at several
-context lengths, in one run (runs interleaved so machine load hits all alike), for DynamicCache, KVQuantCache with the fused ``kvquant`` attention,
+context lengths, in one run (runs interleaved so machine load hits all alike), for DynamicCache,
+KVQuantCache with the fused ``kvquant`` attention (the native C kernel when it is built, else the
+chunked torch path; the JSON's meta says which),
 KVQuantCache through the dequantizing path (plain sdpa), and transformers' QuantizedCache (quanto)
 when optimum-quanto is installed. Warm-up runs, then the median of repeated timed runs.
 
@@ -66,28 +68,37 @@ def bench_cpu(
     finally:
         model.set_attn_implementation("sdpa")
     base = {r["context"]: r["decode_tok_s"] for r in measured["DynamicCache"]}
+    quanto = {r["context"]: r["decode_tok_s"] for r in measured.get("QuantizedCache quanto int4", [])}
     rows = [
         {
             "context": r["context"],
             "cache": label,
             "tokens_per_s": r["decode_tok_s"],
             "vs_dynamic": r["decode_tok_s"] / base[r["context"]],
+            "vs_quanto_int4": r["decode_tok_s"] / quanto[r["context"]] if quanto else None,
         }  # fmt: skip
         for label, label_rows in measured.items()
         for r in label_rows
     ]
     rows.sort(key=lambda r: r["context"])
-    table = ["| context | cache | decode tok/s | vs DynamicCache |", "|---|---|---|---|"]
+    table = ["| context | cache | decode tok/s | vs DynamicCache | vs quanto int4 |", "|---|---|---|---|---|"]
     table += [
-        f"| {r['context']} | {r['cache']} | {r['tokens_per_s']:.2f} | {r['vs_dynamic']:.2f}x |" for r in rows
+        f"| {r['context']} | {r['cache']} | {r['tokens_per_s']:.2f} | {r['vs_dynamic']:.2f}x | "
+        + ("n/a" if r["vs_quanto_int4"] is None else f"{r['vs_quanto_int4']:.2f}x")
+        + " |"
+        for r in rows
     ]
     print("\n".join(table))
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        from kvquant.native import _state, native_available
+
         meta = {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "native_cpu_kernel": native_available(),
+            "native_cpu_kernel_error": _state.get("error"),
             "steps": steps,
             "repeats": repeats,
         }

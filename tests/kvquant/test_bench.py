@@ -1,8 +1,11 @@
 """The CPU decode benchmark runs every contender (it reports speed; nothing here gates on time)."""
 
+import json
+
 from kvquant.bench import bench_cpu
 from kvquant.cli import build_parser
 from kvquant.models import tiny_model
+from kvquant.native import native_available
 
 
 def test_every_contender_decodes_and_is_timed(tmp_path):
@@ -15,6 +18,11 @@ def test_every_contender_decodes_and_is_timed(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert model.config._attn_implementation == "sdpa"  # restored
     assert (tmp_path / "bench_cpu.json").is_file() and (tmp_path / "bench_cpu.md").is_file()
+    meta = json.loads((tmp_path / "bench_cpu.json").read_text())["meta"]
+    assert meta["native_cpu_kernel"] == native_available()
+    quanto = next(r for r in rows if r["cache"] == "QuantizedCache quanto int4")
+    assert quanto["vs_quanto_int4"] == 1.0  # the column the CPU target is read from
+    assert "vs quanto int4" in (tmp_path / "bench_cpu.md").read_text()
 
 
 def test_bench_cli_parses_targets():
