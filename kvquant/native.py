@@ -76,13 +76,14 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, flags: tuple[str, ...] = CFLAGS) -> Path:
+    """Compile the source with ``flags`` unless a build with the same key exists; its path."""
     from kvquant.models import cache_root
 
     source = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(), _cpu_model().encode()])
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_model().encode()])
     ).hexdigest()[:16]
     out_dir = cache_root() / "native"
     target = out_dir / f"decode_cpu-{key}.so"
@@ -92,7 +93,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        run = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
@@ -100,6 +101,21 @@ def _build(cc: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """Open a built library and declare its two entry points."""
+    lib = ctypes.CDLL(str(path))
+    p, i64, op = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Operand)
+    fn = lib.kvq_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [p, i64, i64, i64, i64, op, op, p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
+    fn.argtypes += [op, op, p, i64]
+    qz = lib.kvq_quantize
+    qz.restype = ctypes.c_int
+    qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
+    qz.argtypes += [ctypes.c_int] * 4
+    return lib
 
 
 def _library():
@@ -113,23 +129,16 @@ def _library():
     try:
         if cc is None:
             raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)")
-        lib = ctypes.CDLL(str(_build(cc)))
-        fn = lib.kvq_decode
-        fn.restype = ctypes.c_int
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, i64, i64, i64, ctypes.POINTER(_Operand), ctypes.POINTER(_Operand)]
-        fn.argtypes += [p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
-        fn.argtypes += [ctypes.POINTER(_Operand), ctypes.POINTER(_Operand), p, i64]
-        qz = lib.kvq_quantize
-        qz.restype = ctypes.c_int
-        qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
-        qz.argtypes += [ctypes.c_int] * 4
-        _state["lib"] = lib
+        try:
+            path = _build(cc)
+        except RuntimeError:  # a compiler without OpenMP: one thread per call, same results
+            path = _build(cc, tuple(f for f in CFLAGS if f != "-fopenmp"))
+        _state["lib"] = _load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         _state["error"] = str(err)
         log.warning("kvquant: native CPU decode kernel unavailable, using the torch path: %s", err)
         return None
-    return lib
+    return _state["lib"]
 
 
 def native_available() -> bool:

@@ -245,3 +245,19 @@ def test_full_precision_tokens_join_the_same_softmax(with_mask):
     out = torch.full_like(ref, float("nan"))
     got, _ = native.decode_attention_native(q, *kp, *vp, fp_k=fk, fp_v=fv, fp_valid=valid, out=out, **args)
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-5
+
+
+def test_the_portable_c_path_matches_too(monkeypatch, tmp_path):
+    """The kernel built without AVX-512 (what a CPU without it runs): same results."""
+    import shutil as sh
+
+    monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
+    flags = (*native.CFLAGS, "-mno-avx512f")
+    monkeypatch.setitem(native._state, "lib", native._load(native._build(sh.which("cc"), flags)))
+    test_every_format_pair_matches_the_torch_twin("int4", "nuq3")
+    test_every_format_pair_matches_the_torch_twin("int3", "fp8_e4m3")
+    test_channel_axis_keys_static_scales_and_softcap()
+    test_split_kv_threads_agree(2)
+    test_full_precision_tokens_join_the_same_softmax(True)
+    test_native_quantize_is_bit_exact_with_the_torch_spec("int4", torch.float16, 16)
+    test_native_quantize_is_bit_exact_with_the_torch_spec("int3", torch.bfloat16, None)
