@@ -63,6 +63,7 @@ def test_every_format_pair_matches_the_torch_twin(k_fmt, v_fmt):
         (128, 3, 100, 32, 128),
         (256, 1, 33, 256, 64),
         (48, 2, 17, 16, 48),
+        (24, 3, 70, 8, 24),  # not a multiple of 16: the portable C path on every CPU
     ],
 )
 @pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "nuq4"])
@@ -257,6 +258,7 @@ def test_the_portable_c_path_matches_too(monkeypatch, tmp_path):
     test_every_format_pair_matches_the_torch_twin("int4", "nuq3")
     test_every_format_pair_matches_the_torch_twin("int3", "fp8_e4m3")
     test_channel_axis_keys_static_scales_and_softcap()
+    test_odd_shapes_and_gqa_ratios(24, 3, 70, 8, 24, "int2")
     test_split_kv_threads_agree(2)
     test_full_precision_tokens_join_the_same_softmax(True)
     test_native_quantize_is_bit_exact_with_the_torch_spec("int4", torch.float16, 16)
