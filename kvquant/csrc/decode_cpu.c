@@ -223,6 +223,14 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
+        if (raw && o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
+            for (int j = 0; j < w; j += 16) {
+                const __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j)));
+                _mm512_storeu_ps(dst + j, _mm512_cvtepi32_ps(_mm512_and_si512(ci, mask)));
+                _mm512_storeu_ps(dst + w + j, _mm512_cvtepi32_ps(_mm512_srli_epi32(ci, 4)));
+            }
+            continue;
+        }
         for (int c = 0; c < nc; c++) {
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + off[c]));
             __m512i ci;
