@@ -250,11 +250,13 @@ def test_full_precision_tokens_join_the_same_softmax(with_mask):
 
 def test_the_portable_c_path_matches_too(monkeypatch, tmp_path):
     """The kernel built without AVX-512 (what a CPU without it runs): same results."""
+    import os
     import shutil as sh
 
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
     flags = (*native.CFLAGS, "-mno-avx512f")
-    monkeypatch.setitem(native._state, "lib", native._load(native._build(sh.which("cc"), flags)))
+    cc = sh.which(os.environ.get("CC", "cc"))
+    monkeypatch.setitem(native._state, "lib", native._load(native._build(cc, flags)))
     test_every_format_pair_matches_the_torch_twin("int4", "nuq3")
     test_every_format_pair_matches_the_torch_twin("int3", "fp8_e4m3")
     test_channel_axis_keys_static_scales_and_softcap()
