@@ -127,18 +127,18 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 # --------------------------------------------------------------------------------------------- decode
 
 
+def _native_reads(layer, q: torch.Tensor) -> bool:
+    """Whether the C kernel reads this layer's store for ``q`` (CPU, quantized formats, built)."""
+    ks, vs = layer.k_store, layer.v_store
+    return not q.is_cuda and native_formats_ok(ks.fmt, vs.fmt, q.shape[-1]) and native_available()
+
+
 def _whole_step_native(view: KVView, q: torch.Tensor) -> bool:
     """Whether the C kernel can take the whole decode step (store and full-precision tokens in one
-    softmax): CPU, quantized formats, no rotation or smoothing (those transform the store's
-    operands only, so their partial is merged with the full-precision one instead)."""
+    softmax): no rotation or smoothing (those transform the store's operands only, so their
+    partial is merged with the full-precision one instead)."""
     layer = view.layer
-    return (
-        not q.is_cuda
-        and layer.config.rotation == "none"
-        and layer.smooth is None
-        and native_formats_ok(layer.k_store.fmt, layer.v_store.fmt, q.shape[-1])
-        and native_available()
-    )
+    return layer.config.rotation == "none" and layer.smooth is None and _native_reads(layer, q)
 
 
 def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None, fp=None):
@@ -181,7 +181,7 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
         out, lse = quantized_decode_attention(*tensors, **args)
     elif fp is not None:  # CPU: the C kernel, the whole step
         out, lse = decode_attention_native(*tensors, **args, fp_k=fp[0], fp_v=fp[1], fp_valid=fp[2])
-    elif not q.is_cuda and native_formats_ok(ks.fmt, vs.fmt, q.shape[-1]) and native_available():
+    elif _native_reads(layer, q):
         out, lse = decode_attention_native(*tensors, **args)  # CPU: the C kernel
     else:  # no C compiler, `none`, or a format the Triton kernel does not read on GPU: chunked torch
         out, lse = decode_attention_torch(*tensors, **args)
@@ -202,28 +202,18 @@ def _fp_tokens(view: KVView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     pads = layer.pads
     sinks = layer.sink_k is not None and view.hist_begin < view.store_end
     n_sink = layer.sink_k.shape[2] if sinks else 0
+    k = torch.cat(([layer.sink_k] if sinks else []) + [view.tail_k, view.new_k], dim=2)
+    v = torch.cat(([layer.sink_v] if sinks else []) + [view.tail_v, view.new_v], dim=2)
     if layer.pads_max == 0 and view.hist_begin == 0 and n_sink <= view.store_end:
-        valid = None  # no padding, nothing scrolled out of view: every token counts (no mask to build)
-        parts_k = ([layer.sink_k] if sinks else []) + [view.tail_k, view.new_k]
-        parts_v = ([layer.sink_v] if sinks else []) + [view.tail_v, view.new_v]
-        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), None
-    parts_k, parts_v, valid = [], [], []
-    if layer.sink_k is not None and view.hist_begin < view.store_end:
-        pos = pads[:, None] + torch.arange(layer.sink_k.shape[2], device=pads.device)  # [B, S]
+        return k, v, None  # no padding, nothing scrolled out of view: every token counts
+    valid = []
+    if sinks:
+        pos = pads[:, None] + torch.arange(n_sink, device=pads.device)  # [B, S]
         valid.append((pos >= view.hist_begin) & (pos < view.store_end))
-        parts_k.append(layer.sink_k)
-        parts_v.append(layer.sink_v)
-    if view.tail_k.shape[2]:
-        pos = torch.arange(view.tail_begin, view.seq_before, device=pads.device)
-        valid.append(pos[None, :] >= pads[:, None])
-        parts_k.append(view.tail_k)
-        parts_v.append(view.tail_v)
-    parts_k.append(view.new_k)
-    parts_v.append(view.new_v)
+    pos = torch.arange(view.tail_begin, view.seq_before, device=pads.device)  # the tail
+    valid.append(pos[None, :] >= pads[:, None])
     valid.append(torch.ones(pads.shape[0], view.new_k.shape[2], dtype=torch.bool, device=pads.device))
-    if len(parts_k) == 1:
-        return parts_k[0], parts_v[0], valid[0]
-    return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2), torch.cat(valid, dim=1)
+    return k, v, torch.cat(valid, dim=1)
 
 
 def _fp_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None):

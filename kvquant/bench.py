@@ -92,13 +92,13 @@ def bench_cpu(
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        from kvquant.native import _state, native_available
+        from kvquant.native import native_available, native_error
 
         meta = {
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "native_cpu_kernel": native_available(),
-            "native_cpu_kernel_error": _state.get("error"),
+            "native_cpu_kernel_error": native_error(),
             "steps": steps,
             "repeats": repeats,
         }

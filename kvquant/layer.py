@@ -23,7 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.config import KVQuantConfig
 from kvquant.formats import QuantizedBlock, round_to_dtype
-from kvquant.native import quantize_into_store
+from kvquant.native import native_quantizes, quantize_into_store
 from kvquant.rotation import rotate, unrotate
 from kvquant.store import TokenStore
 
@@ -216,7 +216,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             k, v = rotate(k), rotate(v)
         index = self.store_end - self.base
         ks, vs = self.k_store, self.v_store
-        if quantize_into_store(ks, index, k) and quantize_into_store(vs, index, v):  # CPU: C kernel
+        native = native_quantizes(ks, k) and native_quantizes(vs, v)  # both or neither: no work twice
+        if native and quantize_into_store(ks, index, k) and quantize_into_store(vs, index, v):  # CPU: C
             self.store_end += n
             return
         same = (ks.fmt, ks.group_size, ks.axis, ks.static_scale) == (vs.fmt, vs.group_size, vs.axis, None)

@@ -146,6 +146,11 @@ def native_available() -> bool:
     return _library() is not None
 
 
+def native_error() -> str | None:
+    """Why the kernel is unavailable (None when it is loaded or not yet tried)."""
+    return _state.get("error")
+
+
 MAX_HEAD_DIM = 512
 
 
@@ -324,24 +329,30 @@ def decode_attention_native(
     return out, lse
 
 
+def native_quantizes(store, x: torch.Tensor) -> bool:
+    """Whether :func:`quantize_into_store` applies: CPU, integer formats along the token axis with
+    computed scales, a scale dtype the kernel writes, and the kernel built."""
+    return (
+        not x.is_cuda
+        and store.axis == "token"
+        and store.static_scale is None
+        and store.spec.kind in ("int_sym", "int_asym")
+        and store.scale_dtype in _SCALE_DTYPES
+        and _library() is not None
+    )
+
+
 def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
-    """Quantize ``x [B, H, n, D]`` into ``store`` (a :class:`kvquant.store.QuantizedStore`) at buffer
+    """Quantize ``x [B, H, n, D]`` into ``store`` (a :class:`kvquant.store.TokenStore`) at buffer
     index ``index``, in place, with the C twin of :func:`kvquant.formats.quantize` (bit-exact).
 
-    Returns False, writing nothing the store counts, where the kernel does not apply (CPU integer
-    formats along the token axis with computed scales only; or no kernel), so the caller takes the
-    torch path; that path also raises the torch spec's error for inputs it refuses.
+    Returns False, writing nothing the store counts, where the kernel does not apply (see
+    :func:`native_quantizes`) or the input is one the spec refuses; the caller then takes the torch
+    path, which raises the spec's error for such inputs.
     """
-    spec = store.spec
-    if (
-        x.is_cuda
-        or store.axis != "token"
-        or store.static_scale is not None
-        or spec.kind not in ("int_sym", "int_asym")
-        or store.scale_dtype not in _SCALE_DTYPES
-        or _library() is None
-    ):
+    if not native_quantizes(store, x):
         return False
+    spec = store.spec
     xf = x.float()
     if xf.stride(-1) != 1:
         xf = xf.contiguous()

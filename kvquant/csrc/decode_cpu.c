@@ -60,7 +60,6 @@ static inline void load_scales(const kvq_operand *o, int64_t b, int64_t h, int64
 }
 
 /* exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7; vectorizes. */
-#pragma omp declare simd notinbranch
 static inline float exp_nonpos(float x) {
     const int underflow = x < -87.0f;
     x = underflow ? -87.0f : x;
@@ -595,9 +594,9 @@ static uint16_t round_half(float x, int dtype, int direction) {
     }
     const int wrong = direction > 0 ? back < x : back > x;
     if (!wrong) return y;
-    const uint16_t sign = dtype == 1 ? 0x8000 : 0x8000;
-    if ((y & 0x7FFF) == 0) return direction > 0 ? 0x0001 : (uint16_t)(sign | 0x0001); /* from +-0 */
-    const int positive = !(y & sign);
+    /* fp16 and bf16 both keep the sign in bit 15: one step is +-1 on the magnitude bits */
+    if ((y & 0x7FFF) == 0) return direction > 0 ? 0x0001 : 0x8001; /* from +-0: smallest subnormal */
+    const int positive = !(y & 0x8000);
     return (positive == (direction > 0)) ? (uint16_t)(y + 1) : (uint16_t)(y - 1);
 }
 
