@@ -42,6 +42,10 @@ class KVView:
     ``hist_begin``: first visible position; ``store_end``: end of the quantized positions before
     the call; ``tail_k / tail_v [B, H, n, D]``: the full-precision tail positions
     ``[tail_begin, seq_before)`` as they were before the call (the call may flush them).
+    ``main_end``: end of the positions in the main stores; the recent window
+    (``config.recent_length``) ``[max(main_end, hist_begin), store_end)`` comes dequantized as
+    ``recent_k / recent_v [B, H, r, D]`` (None when empty), read before the call may re-quantize it,
+    and is attended with the full-precision tokens.
     """
 
     layer: object
@@ -53,6 +57,9 @@ class KVView:
     seq_before: int
     tail_k: torch.Tensor
     tail_v: torch.Tensor
+    main_end: int | None = None  # None: every stored position is in the main stores
+    recent_k: torch.Tensor | None = None
+    recent_v: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -70,10 +77,14 @@ class KVView:
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The history (dequantized where stored) followed by the call's tokens: ``[B, H, n, D]``."""
         parts_k, parts_v = [], []
-        if self.hist_begin < self.store_end:
-            k, v = self.layer.read_store(self.hist_begin, self.store_end)
+        main_end = _main_end(self)
+        if self.hist_begin < main_end:
+            k, v = self.layer.read_store(self.hist_begin, main_end)
             parts_k.append(k)
             parts_v.append(v)
+        if self.recent_k is not None:
+            parts_k.append(self.recent_k)
+            parts_v.append(self.recent_v)
         parts_k += [self.tail_k, self.new_k]
         parts_v += [self.tail_v, self.new_v]
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
@@ -141,14 +152,19 @@ def _whole_step_native(view: KVView, q: torch.Tensor) -> bool:
     return layer.config.rotation == "none" and layer.smooth is None and _native_reads(layer, q)
 
 
+def _main_end(view: KVView) -> int:
+    """End of the view's positions held in the layer's main stores (the rest: its recent window)."""
+    return view.store_end if view.main_end is None else min(view.store_end, view.main_end)
+
+
 def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | None, fp=None):
-    """Attention of ``q[B, Hq, D]`` over the view's stored positions (sinks excluded); with
-    ``fp = (k, v, valid)`` (native kernel only) over those full-precision tokens too."""
+    """Attention of ``q[B, Hq, D]`` over the view's positions in the main stores (sinks excluded);
+    with ``fp = (k, v, valid)`` (native kernel only) over those full-precision tokens too."""
     layer = view.layer
     sink = layer.config.sink_tokens if layer.sink_k is not None else 0
     first = torch.clamp(layer.pads + sink, min=view.hist_begin)  # [B] first stored position per row
     start = first - layer.base
-    end = view.store_end - layer.base
+    end = max(_main_end(view) - layer.base, 0)
     ks, vs = layer.k_store, layer.v_store
     rotated = layer.config.rotation == "hadamard"
     smooth = layer.smooth
@@ -175,7 +191,8 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
     k_scale = ks.scale if ks.scale is not None else ks.static_scale
     v_scale = vs.scale if vs.scale is not None else vs.static_scale
     tensors = (qr, ks.codes, k_scale, ks.zero, vs.codes, v_scale, vs.zero)
-    if q.is_cuda and ks.fmt in KERNEL_FORMATS and vs.fmt in KERNEL_FORMATS:
+    triton_reads = ks.fmt in KERNEL_FORMATS and vs.fmt in KERNEL_FORMATS and ks.scale_dtype.itemsize > 1
+    if q.is_cuda and triton_reads:  # (the Triton kernel reads fp32 / fp16 / bf16 scales)
         from kvquant.kernels import quantized_decode_attention
 
         out, lse = quantized_decode_attention(*tensors, **args)
@@ -195,21 +212,33 @@ def _store_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float
 
 
 def _fp_tokens(view: KVView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The full-precision tokens a decode step attends to: sinks, tail, the new token, as
-    ``k, v [B, H, n, D]`` and ``valid [B, n]`` (False: padding, or outside the visible history;
-    None when every token is valid)."""
+    """The full-precision tokens a decode step attends to: sinks, the recent window (dequantized),
+    tail, the new token, as ``k, v [B, H, n, D]`` and ``valid [B, n]`` (False: padding, a sink
+    position, or outside the visible history; None when every token is valid)."""
     layer = view.layer
     pads = layer.pads
     sinks = layer.sink_k is not None and view.hist_begin < view.store_end
     n_sink = layer.sink_k.shape[2] if sinks else 0
-    k = torch.cat(([layer.sink_k] if sinks else []) + [view.tail_k, view.new_k], dim=2)
-    v = torch.cat(([layer.sink_v] if sinks else []) + [view.tail_v, view.new_v], dim=2)
-    if layer.pads_max == 0 and view.hist_begin == 0 and n_sink <= view.store_end:
+    r0 = max(_main_end(view), view.hist_begin)  # the recent window: positions [r0, store_end)
+    recent = [] if view.recent_k is None else [(view.recent_k, view.recent_v)]
+    k = torch.cat(
+        ([layer.sink_k] if sinks else []) + [kv[0] for kv in recent] + [view.tail_k, view.new_k], dim=2
+    )
+    v = torch.cat(
+        ([layer.sink_v] if sinks else []) + [kv[1] for kv in recent] + [view.tail_v, view.new_v], dim=2
+    )
+    n_sink_slots = layer.sink_k.shape[2] if layer.sink_k is not None else 0
+    first = pads + n_sink_slots  # [B] first position that is neither padding nor a sink
+    recent_valid = not recent or r0 >= layer.pads_max + n_sink_slots
+    if layer.pads_max == 0 and view.hist_begin == 0 and n_sink <= view.store_end and recent_valid:
         return k, v, None  # no padding, nothing scrolled out of view: every token counts
     valid = []
     if sinks:
         pos = pads[:, None] + torch.arange(n_sink, device=pads.device)  # [B, S]
         valid.append((pos >= view.hist_begin) & (pos < view.store_end))
+    if recent:
+        pos = torch.arange(r0, view.store_end, device=pads.device)
+        valid.append(pos[None, :] >= first[:, None])  # sinks are attended from their own buffer
     pos = torch.arange(view.tail_begin, view.seq_before, device=pads.device)  # the tail
     valid.append(pos[None, :] >= pads[:, None])
     valid.append(torch.ones(pads.shape[0], view.new_k.shape[2], dtype=torch.bool, device=pads.device))
@@ -226,11 +255,11 @@ def _fp_partial(view: KVView, q: torch.Tensor, scaling: float, softcap: float | 
 
 def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
     q = query[:, :, 0]  # [B, Hq, D]
-    if view.hist_begin < view.store_end and _whole_step_native(view, q):
+    if view.hist_begin < _main_end(view) and _whole_step_native(view, q):
         out, _ = _store_partial(view, q, scaling, softcap, fp=_fp_tokens(view))
         return out[:, None].to(query.dtype)  # [B, 1, Hq, D]
     outs, lses = [], []
-    if view.hist_begin < view.store_end:
+    if view.hist_begin < _main_end(view):
         o, lse = _store_partial(view, q, scaling, softcap)
         outs.append(o)
         lses.append(lse)

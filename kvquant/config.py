@@ -38,6 +38,9 @@ _OVERRIDABLE = (
     "smoothing",
     "sink_tokens",
     "residual_length",
+    "recent_length",
+    "recent_key_format",
+    "recent_value_format",
     "scale_dtype",
 )
 
@@ -68,6 +71,11 @@ class KVQuantConfig:
             (measured on SmolLM2: mean removal doubled the 2-bit value error), so they are left alone.
         sink_tokens: first tokens of each sequence kept in full precision.
         residual_length: most recent tokens kept in full precision before they are quantized.
+        recent_length: the next most recent tokens (after the residual window) kept in the finer
+            ``recent_key_format`` / ``recent_value_format`` (token axis, the same group sizes); a
+            token leaving this window is re-quantized from its recent codes into the main formats.
+            Decoding attends mostly to recent tokens: on SmolLM2, 64 tokens in ``nuq4`` ahead of a
+            2-bit store halve the attention error for about 0.12 more bits per element at 1k tokens.
         scale_dtype: ``float16``, ``bfloat16`` or ``float32``.
         static_scales: path of a calibration file (``kvquant calibrate``) with per-(layer, head)
             scales; int8 / fp8 only. Codes then carry no per-token scales.
@@ -84,6 +92,9 @@ class KVQuantConfig:
     smoothing: str = "none"
     sink_tokens: int = 0
     residual_length: int = 0
+    recent_length: int = 0
+    recent_key_format: str = "nuq4"
+    recent_value_format: str = "nuq4"
     scale_dtype: str = "float16"
     static_scales: str | None = None
     layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -110,10 +121,16 @@ class KVQuantConfig:
             raise _bad("rotation", self.rotation, ", ".join(ROTATIONS))
         if self.smoothing not in SMOOTHINGS:
             raise _bad("smoothing", self.smoothing, ", ".join(SMOOTHINGS))
-        for f in ("sink_tokens", "residual_length"):
+        for f in ("sink_tokens", "residual_length", "recent_length"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise _bad(f, v, "an integer >= 0")
+        for f in ("recent_key_format", "recent_value_format"):
+            v = getattr(self, f)
+            if v not in FORMAT_NAMES or v == "none":
+                raise _bad(f, v, ", ".join(n for n in FORMAT_NAMES if n != "none"))
+        if self.recent_length and self.key_axis != "token":
+            raise _bad("recent_length", self.recent_length, "0 when key_axis is 'channel'")
         if self.scale_dtype not in SCALE_DTYPES:
             raise _bad("scale_dtype", self.scale_dtype, ", ".join(SCALE_DTYPES))
         if self.static_scales is not None:

@@ -3,13 +3,16 @@
 A layer holds the tokens of its sequence positions ``[0, seq_len)`` in three places:
 
 - the quantized **store** (:class:`~kvquant.store.TokenStore` for K and for V): positions
-  ``[store_begin, store_end)`` at buffer index ``position - base``;
+  ``[store_begin, store_end)``. Of these, ``[store_begin, main_end)`` lie in the main stores at
+  buffer index ``position - base``; with ``recent_length`` W > 0 the newest ``[main_end, store_end)``
+  (at most W) lie in the finer *recent* stores at index ``position - main_end``;
 - the full-precision **tail** (the residual window): positions ``[store_end, seq_len)``;
 - the full-precision **sink**: each row's first ``sink_tokens`` *real* tokens (after left padding),
   which also have (unused) slots in the store so that all rows stay aligned on one time axis.
 
-Tokens enter the tail and are quantized exactly once, when they leave it (on the channel axis in
-whole blocks of ``key_group_size`` tokens). Sliding-window layers drop positions older than the
+Tokens enter the tail and are quantized when they leave it (on the channel axis in whole blocks of
+``key_group_size`` tokens): into the main stores, or with a recent window first into the recent
+stores, from which they are re-quantized into the main stores when W newer tokens have followed. Sliding-window layers drop positions older than the
 window (sinks included) unless transformers asked them to record the past for a later ``crop``.
 
 ``update`` returns, for any attention implementation, the dequantized history of the positions
@@ -71,9 +74,14 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.seq_len = 0  # positions seen (what get_seq_length reports)
         self.base = 0  # position held at buffer index 0
         self.store_begin = self.store_end = 0
+        self.main_end = (
+            0  # [store_begin, main_end) in the main stores, [main_end, store_end) in the recent ones
+        )
         self.tail_len = 0
         self.k_store: TokenStore | None = None
         self.v_store: TokenStore | None = None
+        self.rk_store: TokenStore | None = None  # recent window (config.recent_length > 0)
+        self.rv_store: TokenStore | None = None
         self.tail_k = self.tail_v = None  # [B, H, cap_tail, D]
         self.sink_k = self.sink_v = None  # [B, H, S, D]
         self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
@@ -92,6 +100,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_store = TokenStore(cfg.value_format, vg, "token", cfg.torch_scale_dtype, sv)
         for store in (self.k_store, self.v_store):
             store.allocate(b, h, d, self.initial_capacity, self.dtype, self.device)
+        if cfg.recent_length:
+            self.rk_store = TokenStore(cfg.recent_key_format, kg, "token", cfg.torch_scale_dtype)
+            self.rv_store = TokenStore(cfg.recent_value_format, vg, "token", cfg.torch_scale_dtype)
+            for store in self._recent_stores():
+                store.allocate(b, h, d, cfg.recent_length + 1, self.dtype, self.device)
         tail_cap = cfg.residual_length + self.block + 1
         self.tail_k = key_states.new_zeros(b, h, tail_cap, d)
         self.tail_v = value_states.new_zeros(b, h, tail_cap, value_states.shape[-1])
@@ -158,6 +171,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         begin = self.history_begin()
         tail_begin = max(begin, self.store_end)
         t0 = tail_begin - self.store_end
+        r0 = max(self.main_end, begin)  # the recent window, dequantized before append re-quantizes it
+        recent = self.read_store(r0, self.store_end) if r0 < self.store_end else (None, None)
         return KVView(
             layer=self,
             new_k=k,
@@ -168,6 +183,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             seq_before=self.seq_len,
             tail_k=self.tail_k[:, :, t0 : self.tail_len].clone(),
             tail_v=self.tail_v[:, :, t0 : self.tail_len].clone(),
+            main_end=self.main_end,
+            recent_k=recent[0],
+            recent_v=recent[1],
         )
 
     def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
@@ -206,6 +224,9 @@ class QuantizedKVLayer(CacheLayerMixin):
                 new[:, :, : self.tail_len] = old[:, :, : self.tail_len]
                 setattr(self, name, new)
 
+    def _recent_stores(self) -> tuple[TokenStore, ...]:
+        return () if self.rk_store is None else (self.rk_store, self.rv_store)
+
     def _quantize_into_store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``k, v [B, H, n, D]`` (positions ``[store_end, store_end + n)``) into the store."""
         n = k.shape[2]
@@ -214,11 +235,44 @@ class QuantizedKVLayer(CacheLayerMixin):
             k = self._smooth(k)
         if self.config.rotation == "hadamard":
             k, v = rotate(k), rotate(v)
-        index = self.store_end - self.base
-        ks, vs = self.k_store, self.v_store
+        w = self.config.recent_length
+        if not w:
+            self._write(self.k_store, self.v_store, self.store_end - self.base, k, v)
+            self.store_end += n
+            self.main_end = self.store_end
+            return
+        end = self.store_end + n
+        main_end = max(self.main_end, end - w)
+        # recent tokens W newer ones have pushed out, then new tokens already that old: main stores
+        leave = max(min(self.store_end, main_end) - self.main_end, 0)
+        direct = max(main_end - self.store_end, 0)
+        if leave + direct:
+            rk, rv = self.rk_store, self.rv_store
+            parts_k = ([rk.read(0, leave, k.dtype)] if leave else []) + [k[:, :, :direct]]
+            parts_v = ([rv.read(0, leave, v.dtype)] if leave else []) + [v[:, :, :direct]]
+            self._write(
+                self.k_store,
+                self.v_store,
+                self.main_end - self.base,
+                torch.cat(parts_k, 2),
+                torch.cat(parts_v, 2),
+            )
+        kept = self.store_end - self.main_end - leave  # recent tokens that stay
+        fresh = end - max(self.store_end, main_end)  # new tokens that enter the recent stores
+        for store in self._recent_stores():
+            if leave and kept:
+                store.move(leave, leave + kept, 0)
+            if kept + fresh > store.capacity:
+                store.grow(kept + fresh, kept)
+        if fresh:
+            self._write(self.rk_store, self.rv_store, kept, k[:, :, n - fresh :], v[:, :, n - fresh :])
+        self.main_end = main_end
+        self.store_end = end
+
+    def _write(self, ks: TokenStore, vs: TokenStore, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize (smoothed, rotated) ``k, v [B, H, n, D]`` into ``ks, vs`` at buffer index ``index``."""
         native = native_quantizes(ks, k) and native_quantizes(vs, v)  # both or neither: no work twice
         if native and quantize_into_store(ks, index, k) and quantize_into_store(vs, index, v):  # CPU: C
-            self.store_end += n
             return
         same = (ks.fmt, ks.group_size, ks.axis, ks.static_scale) == (vs.fmt, vs.group_size, vs.axis, None)
         if same and ks.static_scale is None and k.shape == v.shape:  # one quantize call for K and V
@@ -235,7 +289,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         else:
             ks.write(index, ks.quantize(k))
             vs.write(index, vs.quantize(v))
-        self.store_end += n
 
     # ------------------------------------------------------------------------------------ smoothing
 
@@ -338,10 +391,21 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def read_store(self, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V of stored positions ``[p0, p1)`` (sinks applied, rotation undone)."""
-        i0, i1 = p0 - self.base, p1 - self.base
         smoothed = self.smooth is not None
-        k = self.k_store.read(i0, i1, torch.float32 if smoothed else self.dtype)
-        v = self.v_store.read(i0, i1, self.dtype)
+        kdt = torch.float32 if smoothed else self.dtype
+        split = min(max(self.main_end, p0), p1)  # [p0, split) main stores, [split, p1) recent ones
+        parts = []
+        if p0 < split:
+            i0, i1 = p0 - self.base, split - self.base
+            parts.append((self.k_store.read(i0, i1, kdt), self.v_store.read(i0, i1, self.dtype)))
+        if split < p1:
+            i0, i1 = split - self.main_end, p1 - self.main_end
+            parts.append((self.rk_store.read(i0, i1, kdt), self.rv_store.read(i0, i1, self.dtype)))
+        if not parts:  # an empty range
+            i0 = max(p0 - self.base, 0)
+            parts.append((self.k_store.read(i0, i0, kdt), self.v_store.read(i0, i0, self.dtype)))
+        k = parts[0][0] if len(parts) == 1 else torch.cat([parts[0][0], parts[1][0]], 2)
+        v = parts[0][1] if len(parts) == 1 else torch.cat([parts[0][1], parts[1][1]], 2)
         if self.config.rotation == "hadamard":
             k, v = unrotate(k), unrotate(v)
         if smoothed:
@@ -396,6 +460,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             aligned = max(aligned, self.store_begin)
             k, v = self.read_store(aligned, new_len)
             self.store_end = aligned
+            self.main_end = min(self.main_end, aligned)
             self.store_begin = min(self.store_begin, aligned)
             self._tail_reserve(new_len - aligned)
             self.tail_k[:, :, : new_len - aligned] = k
@@ -408,8 +473,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
-        self.k_store.map_batch(fn)
-        self.v_store.map_batch(fn)
+        for store in (self.k_store, self.v_store, *self._recent_stores()):
+            store.map_batch(fn)
         for name in ("tail_k", "tail_v", "sink_k", "sink_v", "pads"):
             t = getattr(self, name)
             if t is not None:
@@ -446,8 +511,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Bytes of the valid tokens, by part: ``store`` (codes, scales, zero points), ``tail``, ``sink``."""
         if not self.is_initialized:
             return {"store": 0, "tail": 0, "sink": 0}
-        i0, i1 = self.store_begin - self.base, self.store_end - self.base
+        i0, i1 = self.store_begin - self.base, self.main_end - self.base
         store = self.k_store.nbytes(i0, i1) + self.v_store.nbytes(i0, i1)
+        r0, r1 = max(self.store_begin - self.main_end, 0), self.store_end - self.main_end
+        store += sum(s.nbytes(r0, r1) for s in self._recent_stores())
         tail = self.tail_len * (self.tail_k[:, :, :1].numel() * self.tail_k.element_size()) * 2
         sink = 0
         if self.sink_k is not None:
@@ -461,7 +528,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reserved_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        stores = self.k_store.reserved_bytes() + self.v_store.reserved_bytes()
+        stores = sum(s.reserved_bytes() for s in (self.k_store, self.v_store, *self._recent_stores()))
         fp = sum(_nbytes(t) for t in (self.tail_k, self.tail_v, self.sink_k, self.sink_v))
         if self.smooth is not None:
             fp += sum(_nbytes(t) for t in self.smooth)

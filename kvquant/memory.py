@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvquant.config import KVQuantConfig
 from kvquant.formats import format_spec
 
@@ -89,10 +91,19 @@ def layer_bytes(
         store_begin = min(keep_from, store_end)
         if keep_from >= cfg.sink_tokens:
             sink_held = 0
+    main_end = max(store_end - cfg.recent_length, store_begin)  # then the recent window, its own formats
     store = sum(
-        _store_tensor_bytes(cfg, which, store_begin, store_end, batch, heads, head_dim, fp_itemsize)
+        _store_tensor_bytes(cfg, which, store_begin, main_end, batch, heads, head_dim, fp_itemsize)
         for which in ("key", "value")
     )
+    if cfg.recent_length:
+        recent = dataclasses.replace(
+            cfg, key_format=cfg.recent_key_format, value_format=cfg.recent_value_format, static_scales=None
+        )
+        store += sum(
+            _store_tensor_bytes(recent, which, main_end, store_end, batch, heads, head_dim, fp_itemsize)
+            for which in ("key", "value")
+        )
     if store_end > 0 and cfg.smoothing != "none":  # per-(row, head) channel mean (and std) of K
         store += batch * heads * head_dim * _scale_itemsize(cfg) * (2 if cfg.smoothing == "channel" else 1)
     fp_token = batch * heads * head_dim * fp_itemsize * 2  # K and V

@@ -184,7 +184,8 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
 
 
-_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
+_WRITTEN_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # kvq_quantize rounds into these
 
 
 def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
@@ -337,7 +338,7 @@ def native_quantizes(store, x: torch.Tensor) -> bool:
         and store.axis == "token"
         and store.static_scale is None
         and store.spec.kind in ("int_sym", "int_asym")
-        and store.scale_dtype in _SCALE_DTYPES
+        and store.scale_dtype in _WRITTEN_SCALE_DTYPES
         and _library() is not None
     )
 

@@ -31,12 +31,25 @@ typedef struct {
     int32_t n_groups;                 /* token axis: scale groups per head vector */
     int32_t channel_axis;             /* 1: one scale row per `group` tokens, D entries per row */
     int32_t group;                    /* channel axis: tokens per scale row */
-    int32_t scale_dtype;              /* scale / zero storage: 0 fp32, 1 fp16, 2 bf16 */
+    int32_t scale_dtype;              /* scale / zero storage: 0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3fn */
 } kvq_operand;
+
+/* One float8 e4m3fn value (bias 7, no infinities, 0x7f / 0xff NaN) -> fp32. */
+static inline float e4m3_to_f32(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    float v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = ldexpf((float)m, -9);      /* subnormal: m / 8 * 2^-6 */
+    else v = ldexpf((float)(8 + m), e - 10);        /* (1 + m / 8) * 2^(e - 7) */
+    return (b & 0x80) ? -v : v;
+}
 
 /* n scale / zero entries starting at element i of p (stored as `dtype`) -> fp32 dst. */
 static inline void load_f32(const void *p, int dtype, int64_t i, int n, float *restrict dst) {
-    if (dtype == 0) {
+    if (dtype == 3) {
+        const uint8_t *u = (const uint8_t *)p + i;
+        for (int k = 0; k < n; k++) dst[k] = e4m3_to_f32(u[k]);
+    } else if (dtype == 0) {
         memcpy(dst, (const float *)p + i, sizeof(float) * (size_t)n);
     } else if (dtype == 1) {
         const _Float16 *hp = (const _Float16 *)p + i;

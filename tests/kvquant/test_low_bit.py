@@ -17,6 +17,7 @@ from kvquant.formats import (
     lloyd_max_levels,
     pack_codes,
     quantize,
+    round_to_dtype,
     unpack_codes,
 )
 from kvquant.memory import model_cache_bytes
@@ -260,3 +261,118 @@ def test_groups_sinks_and_residual_reduce_error(tokens):
     assert _kl(model, KVQuantConfig(key_format="int2", value_format="int2", residual_length=16), tokens) < kl
     channel = KVQuantConfig(key_format="int2", value_format="int2", key_axis="channel", key_group_size=8)
     assert _kl(model, channel, tokens) < kl  # KIVI: per-channel key scales for outlier channels
+
+
+# --------------------------------------------------------------------------------------------- 8-bit scales
+
+
+def test_float8_scales_round_outward_on_their_grid():
+    f8 = torch.float8_e4m3fn
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(f8).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    x = torch.cat([torch.randn(500) * 10, torch.tensor([0.0, 1e-9, -1e-9, 448.0, 0.3])])
+    up, down = round_to_dtype(x, f8, +1).float(), round_to_dtype(x, f8, -1).float()
+    assert bool((up >= x).all()) and bool((down <= x).all())
+    assert bool(torch.isin(up, grid).all()) and bool(torch.isin(down, grid).all())
+    between = (grid[None] > down[:, None]) & (grid[None] < up[:, None])
+    assert not bool(between.any())  # the neighbouring grid values, nothing skipped
+    assert (
+        round_to_dtype(torch.tensor([1e-9]), f8, +1).float().item() == 2.0**-9
+    )  # underflow: smallest subnormal
+    assert torch.isnan(round_to_dtype(torch.tensor([449.0]), f8, +1).float()).all()  # no silent saturation
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize(torch.full((1, 1, 2, 64), 2000.0), "nuq2", scale_dtype=f8)  # scale 2000/1.51 > 448
+
+
+@pytest.mark.parametrize("fmt", ["nuq2", "nuq3", "int4", "int8"])
+def test_float8_scales_keep_the_bound_and_cost_one_byte(fmt):
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 37, 64) * torch.linspace(0.05, 4, 64)
+    q = quantize(x, fmt, group_size=32, scale_dtype=torch.float8_e4m3fn)
+    assert q.scale.dtype == torch.float8_e4m3fn and q.scale.element_size() == 1
+    y = dequantize(q, fmt, head_dim=64, group_size=32)
+    assert bool(((y - x).abs() <= error_bound(q, fmt, x, group_size=32)).all())
+    cfg = KVQuantConfig(key_format=fmt, value_format=fmt, key_group_size=32, scale_dtype="float8_e4m3")
+    assert cfg.torch_scale_dtype == torch.float8_e4m3fn
+
+
+def test_float8_codebook_scales_cost_little_error_and_pay_for_smaller_groups():
+    """A group of 32 with an 8-bit scale costs the bits of a group of 64 with an fp16 one and, on
+    heads with uneven channel groups, has less error."""
+    torch.manual_seed(4)
+    x = torch.randn(1, 8, 256, 64)
+    x[..., :32] *= 3  # one half of each head louder than the other
+    mse = lambda q, g: (dequantize(q, "nuq2", head_dim=64, group_size=g) - x).pow(2).mean()  # noqa: E731
+    fp16_64 = mse(quantize(x, "nuq2"), None)
+    fp8_64 = mse(quantize(x, "nuq2", scale_dtype=torch.float8_e4m3fn), None)
+    fp8_32 = mse(quantize(x, "nuq2", group_size=32, scale_dtype=torch.float8_e4m3fn), 32)
+    assert fp8_64 < 1.1 * fp16_64
+    assert fp8_32 < 0.9 * fp16_64
+
+
+# --------------------------------------------------------------------------------------------- presets
+
+PINNED = {  # what the low-bit presets are; a change here is a change of a measured recipe
+    "nuq4": dict(
+        key_format="nuq4",
+        value_format="nuq4",
+        rotation="hadamard",
+        smoothing="mean",
+        sink_tokens=4,
+        residual_length=16,
+    ),  # fmt: skip
+    "nuq3": dict(
+        key_format="nuq3",
+        value_format="nuq3",
+        rotation="hadamard",
+        smoothing="mean",
+        sink_tokens=4,
+        residual_length=8,
+    ),  # fmt: skip
+    "k3v2": dict(
+        key_format="nuq3",
+        value_format="nuq2",
+        rotation="hadamard",
+        smoothing="mean",
+        sink_tokens=4,
+        residual_length=8,
+    ),  # fmt: skip
+    "nuq2": dict(
+        key_format="nuq2",
+        value_format="nuq2",
+        rotation="hadamard",
+        smoothing="mean",
+        sink_tokens=4,
+        residual_length=8,
+    ),  # fmt: skip
+    "k3v2-recent": dict(
+        key_format="nuq3",
+        value_format="nuq2",
+        rotation="hadamard",
+        smoothing="mean",
+        sink_tokens=4,
+        residual_length=4,
+        recent_length=64,
+        recent_key_format="nuq4",
+        recent_value_format="nuq4",
+    ),  # fmt: skip
+    "nuq2-recent": dict(
+        key_format="nuq2",
+        value_format="nuq2",
+        key_group_size=32,
+        rotation="hadamard",
+        smoothing="mean",
+        scale_dtype="float8_e4m3",
+        sink_tokens=4,
+        residual_length=4,
+        recent_length=96,
+        recent_key_format="nuq4",
+        recent_value_format="nuq4",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_low_bit_presets_are_pinned(name):
+    expected = KVQuantConfig(**PINNED[name], name=name)
+    assert KVQuantConfig.from_preset(name) == expected

@@ -164,7 +164,7 @@ def test_the_build_is_cached_by_source_flags_and_compiler(monkeypatch, tmp_path)
     assert [p.name for p in (tmp_path / "native").iterdir()] == [built[0].name]  # no temp files left
 
 
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("axis", ["token", "channel"])
 def test_scales_are_read_in_their_stored_dtype(scale_dtype, axis):
     torch.manual_seed(5)

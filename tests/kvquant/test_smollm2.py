@@ -99,9 +99,8 @@ def test_fused_attention_on_smollm2(smollm2, wikitext_ids):
         kvquant.enable(model)
         assert torch.equal(_generate(model, KVQuantCache(model.config, "none"), ids)[0], ref_seq)
         for preset in preset_names():
-            assert torch.equal(
-                _generate(model, KVQuantCache(model.config, preset), ids)[0], dequant_seqs[preset]
-            )
+            seq = _generate(model, KVQuantCache(model.config, preset), ids)[0]
+            assert torch.equal(seq, dequant_seqs[preset]), (preset, seq, dequant_seqs[preset])
         for preset in preset_names():
             cache = KVQuantCache(model.config, preset)
             with torch.no_grad():
