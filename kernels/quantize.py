@@ -180,9 +180,11 @@ def quantize_append(
         return
     if n == 0 or b * h == 0:
         return
-    if not (is_pow2(d) and is_pow2(g)):
+    scale_name = None if scale is None else str(scale.dtype).removeprefix("torch.")
+    if not (is_pow2(d) and is_pow2(g)) or (scale_name is not None and scale_name not in SCALE_KIND):
         warnings.warn(
-            f"quantize_append: head_dim {d} / group_size {g} not powers of two; using the torch reference",
+            f"quantize_append: head_dim {d} / group_size {g} not powers of two, or scale dtype {scale_name} "
+            "(the kernel rounds into fp32 / fp16 / bf16); using the torch reference",
             stacklevel=2,
         )
         quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
@@ -191,7 +193,7 @@ def quantize_append(
     if static and spec.kind == "int_asym":
         raise ValueError(f"static_scale: only int8 and fp8 formats take static scales, not {fmt}")
     kind, bits, qmax, mant, bias = fmt_constants(fmt)
-    scale_kind = SCALE_KIND[str(scale.dtype).removeprefix("torch.")]
+    scale_kind = SCALE_KIND[scale_name]
     if axis == "channel":
         bt = g
     else:

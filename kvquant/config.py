@@ -74,8 +74,9 @@ class KVQuantConfig:
         recent_length: the next most recent tokens (after the residual window) kept in the finer
             ``recent_key_format`` / ``recent_value_format`` (token axis, the same group sizes); a
             token leaving this window is re-quantized from its recent codes into the main formats.
-            Decoding attends mostly to recent tokens: on SmolLM2, 64 tokens in ``nuq4`` ahead of a
-            2-bit store halve the attention error for about 0.12 more bits per element at 1k tokens.
+            Decoding attends mostly to recent tokens: on SmolLM2 (WikiText-2, 1k-token prefixes) 64
+            tokens in ``nuq4`` ahead of ``nuq2``, with the residual cut from 8 to 4 tokens, took the
+            mean KL from 0.152 to 0.111 for 0.06 more bits per element.
         scale_dtype: ``float16``, ``bfloat16`` or ``float32``.
         static_scales: path of a calibration file (``kvquant calibrate``) with per-(layer, head)
             scales; int8 / fp8 only. Codes then carry no per-token scales.

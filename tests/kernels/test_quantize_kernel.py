@@ -169,6 +169,15 @@ def test_odd_head_dim_falls_back_to_reference(device):
     assert torch.equal(got[0], q.codes) and torch.equal(got[1], q.scale)
 
 
+def test_float8_scales_fall_back_to_reference(device):
+    x = torch.randn(1, 2, 4, 32, device=device)
+    got = _buffers("int4", 1, 2, 4, 32, 32, "token", torch.float8_e4m3fn, device)
+    with pytest.warns(UserWarning, match="scale dtype float8_e4m3fn"):
+        quantize_append(x, *got, 0, "int4", None)
+    q = quantize(x, "int4", scale_dtype=torch.float8_e4m3fn)
+    assert torch.equal(got[0], q.codes) and torch.equal(got[1].float(), q.scale.float())
+
+
 def test_rejects_bad_layouts(device):
     x = torch.randn(1, 2, 5, 16, device=device)
     codes, scale, zero = _buffers("int4", 1, 2, 16, 16, 16, "channel", torch.float16, device)

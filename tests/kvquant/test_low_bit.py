@@ -312,67 +312,26 @@ def test_float8_codebook_scales_cost_little_error_and_pay_for_smaller_groups():
 
 # --------------------------------------------------------------------------------------------- presets
 
+_RECIPE = dict(rotation="hadamard", smoothing="mean", sink_tokens=4)  # every codebook preset
+_RECENT = dict(residual_length=4, recent_key_format="nuq4", recent_value_format="nuq4")
 PINNED = {  # what the low-bit presets are; a change here is a change of a measured recipe
-    "nuq4": dict(
-        key_format="nuq4",
-        value_format="nuq4",
-        rotation="hadamard",
-        smoothing="mean",
-        sink_tokens=4,
-        residual_length=16,
-    ),  # fmt: skip
-    "nuq3": dict(
-        key_format="nuq3",
-        value_format="nuq3",
-        rotation="hadamard",
-        smoothing="mean",
-        sink_tokens=4,
-        residual_length=8,
-    ),  # fmt: skip
-    "k3v2": dict(
-        key_format="nuq3",
-        value_format="nuq2",
-        rotation="hadamard",
-        smoothing="mean",
-        sink_tokens=4,
-        residual_length=8,
-    ),  # fmt: skip
-    "nuq2": dict(
-        key_format="nuq2",
-        value_format="nuq2",
-        rotation="hadamard",
-        smoothing="mean",
-        sink_tokens=4,
-        residual_length=8,
-    ),  # fmt: skip
-    "k3v2-recent": dict(
-        key_format="nuq3",
-        value_format="nuq2",
-        rotation="hadamard",
-        smoothing="mean",
-        sink_tokens=4,
-        residual_length=4,
-        recent_length=64,
-        recent_key_format="nuq4",
-        recent_value_format="nuq4",
-    ),  # fmt: skip
+    "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16),
+    "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8),
+    "k3v2": dict(key_format="nuq3", value_format="nuq2", residual_length=8),
+    "nuq2": dict(key_format="nuq2", value_format="nuq2", residual_length=8),
+    "k3v2-recent": dict(key_format="nuq3", value_format="nuq2", recent_length=64, **_RECENT),
     "nuq2-recent": dict(
         key_format="nuq2",
         value_format="nuq2",
         key_group_size=32,
-        rotation="hadamard",
-        smoothing="mean",
         scale_dtype="float8_e4m3",
-        sink_tokens=4,
-        residual_length=4,
         recent_length=96,
-        recent_key_format="nuq4",
-        recent_value_format="nuq4",
-    ),  # fmt: skip
+        **_RECENT,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_low_bit_presets_are_pinned(name):
-    expected = KVQuantConfig(**PINNED[name], name=name)
+    expected = KVQuantConfig(**_RECIPE, **PINNED[name], name=name)
     assert KVQuantConfig.from_preset(name) == expected
