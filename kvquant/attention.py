@@ -220,13 +220,11 @@ def _fp_tokens(view: KVView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     sinks = layer.sink_k is not None and view.hist_begin < view.store_end
     n_sink = layer.sink_k.shape[2] if sinks else 0
     r0 = max(_main_end(view), view.hist_begin)  # the recent window: positions [r0, store_end)
-    recent = [] if view.recent_k is None else [(view.recent_k, view.recent_v)]
-    k = torch.cat(
-        ([layer.sink_k] if sinks else []) + [kv[0] for kv in recent] + [view.tail_k, view.new_k], dim=2
-    )
-    v = torch.cat(
-        ([layer.sink_v] if sinks else []) + [kv[1] for kv in recent] + [view.tail_v, view.new_v], dim=2
-    )
+    recent = view.recent_k is not None
+    k_parts = ([layer.sink_k] if sinks else []) + ([view.recent_k] if recent else [])
+    v_parts = ([layer.sink_v] if sinks else []) + ([view.recent_v] if recent else [])
+    k = torch.cat(k_parts + [view.tail_k, view.new_k], dim=2)
+    v = torch.cat(v_parts + [view.tail_v, view.new_v], dim=2)
     n_sink_slots = layer.sink_k.shape[2] if layer.sink_k is not None else 0
     first = pads + n_sink_slots  # [B] first position that is neither padding nor a sink
     recent_valid = not recent or r0 >= layer.pads_max + n_sink_slots

@@ -12,8 +12,8 @@ A layer holds the tokens of its sequence positions ``[0, seq_len)`` in three pla
 
 Tokens enter the tail and are quantized when they leave it (on the channel axis in whole blocks of
 ``key_group_size`` tokens): into the main stores, or with a recent window first into the recent
-stores, from which they are re-quantized into the main stores when W newer tokens have followed. Sliding-window layers drop positions older than the
-window (sinks included) unless transformers asked them to record the past for a later ``crop``.
+stores, from which they are re-quantized into the main stores when W newer tokens have followed.
+Sliding-window layers drop positions older than the window (sinks included) unless transformers asked them to record the past for a later ``crop``.
 
 ``update`` returns, for any attention implementation, the dequantized history of the positions
 cached *before* the call followed by the call's own fresh full-precision keys / values.
@@ -74,9 +74,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.seq_len = 0  # positions seen (what get_seq_length reports)
         self.base = 0  # position held at buffer index 0
         self.store_begin = self.store_end = 0
-        self.main_end = (
-            0  # [store_begin, main_end) in the main stores, [main_end, store_end) in the recent ones
-        )
+        # [store_begin, main_end) lie in the main stores, [main_end, store_end) in the recent ones
+        self.main_end = 0
         self.tail_len = 0
         self.k_store: TokenStore | None = None
         self.v_store: TokenStore | None = None
@@ -394,18 +393,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         smoothed = self.smooth is not None
         kdt = torch.float32 if smoothed else self.dtype
         split = min(max(self.main_end, p0), p1)  # [p0, split) main stores, [split, p1) recent ones
-        parts = []
-        if p0 < split:
-            i0, i1 = p0 - self.base, split - self.base
-            parts.append((self.k_store.read(i0, i1, kdt), self.v_store.read(i0, i1, self.dtype)))
+        i0, i1 = p0 - self.base, split - self.base
+        k, v = self.k_store.read(i0, i1, kdt), self.v_store.read(i0, i1, self.dtype)
         if split < p1:
             i0, i1 = split - self.main_end, p1 - self.main_end
-            parts.append((self.rk_store.read(i0, i1, kdt), self.rv_store.read(i0, i1, self.dtype)))
-        if not parts:  # an empty range
-            i0 = max(p0 - self.base, 0)
-            parts.append((self.k_store.read(i0, i0, kdt), self.v_store.read(i0, i0, self.dtype)))
-        k = parts[0][0] if len(parts) == 1 else torch.cat([parts[0][0], parts[1][0]], 2)
-        v = parts[0][1] if len(parts) == 1 else torch.cat([parts[0][1], parts[1][1]], 2)
+            k = torch.cat([k, self.rk_store.read(i0, i1, kdt)], 2)
+            v = torch.cat([v, self.rv_store.read(i0, i1, self.dtype)], 2)
         if self.config.rotation == "hadamard":
             k, v = unrotate(k), unrotate(v)
         if smoothed:
