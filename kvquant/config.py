@@ -55,7 +55,7 @@ class KVQuantConfig:
 
     Attributes:
         key_format / value_format: one of ``none, int8, int4, int3, int2, fp8_e4m3, fp8_e5m2,
-            nuq4, nuq3, nuq2`` (see :mod:`kvquant.formats`).
+            nuq4, nuq3, nuq2, tcq3, tcq2`` (see :mod:`kvquant.formats`).
         key_axis: ``token`` (scales per token and channel group) or ``channel`` (KIVI: scales per
             channel over blocks of ``key_group_size`` tokens; the incomplete block stays in full
             precision until it fills).
@@ -116,7 +116,7 @@ class KVQuantConfig:
             raise _bad(
                 "key_group_size", None, "a positive integer (tokens per block) when key_axis is 'channel'"
             )
-        if self.key_axis == "channel" and format_spec(self.key_format).kind == "codebook":
+        if self.key_axis == "channel" and format_spec(self.key_format).kind in ("codebook", "trellis"):
             raise _bad("key_axis", self.key_axis, f"'token' for the codebook key_format {self.key_format}")
         if self.rotation not in ROTATIONS:
             raise _bad("rotation", self.rotation, ", ".join(ROTATIONS))
@@ -137,7 +137,7 @@ class KVQuantConfig:
         if self.static_scales is not None:
             for f in ("key_format", "value_format"):
                 kind = format_spec(getattr(self, f)).kind
-                if kind in ("int_asym", "codebook"):
+                if kind in ("int_asym", "codebook", "trellis"):
                     raise _bad(
                         f, getattr(self, f), "int8, fp8_e4m3, fp8_e5m2 or none when static_scales is set"
                     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvquant.formats import format_spec, unpack_codes
+from kvquant.trellis import trellis_decode
 
 
 def _codes_as_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -20,6 +21,8 @@ def _codes_as_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     spec = format_spec(fmt)
     if spec.kind == "codebook":  # code -> its level (the scale is folded in like an integer's)
         return spec.levels.to(codes.device)[unpack_codes(codes, spec.bits).long()]
+    if spec.kind == "trellis":  # code -> the table value at its state (this code and the ones before)
+        return trellis_decode(unpack_codes(codes, spec.bits), spec.bits)
     if spec.kind == "int_asym":
         return unpack_codes(codes, spec.bits).float()
     return codes.float()

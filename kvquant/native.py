@@ -155,10 +155,10 @@ MAX_HEAD_DIM = 512
 
 
 def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
-    """Whether the kernel reads both formats (every quantized format; not ``none``) at this head
-    size (up to ``MAX_HEAD_DIM``)."""
-    quantized = format_spec(k_fmt).kind != "passthrough" and format_spec(v_fmt).kind != "passthrough"
-    return quantized and head_dim <= MAX_HEAD_DIM
+    """Whether the kernel reads both formats (every quantized format but the trellis codes; not
+    ``none``) at this head size (up to ``MAX_HEAD_DIM``)."""
+    kinds = (format_spec(k_fmt).kind, format_spec(v_fmt).kind)
+    return "passthrough" not in kinds and "trellis" not in kinds and head_dim <= MAX_HEAD_DIM
 
 
 _LUTS: dict[str, torch.Tensor] = {}

@@ -17,6 +17,8 @@ from kvquant.formats import (
 )
 
 QUANT_FORMATS = [f for f in FORMAT_NAMES if f != "none"]
+# formats with a per-element bound (trellis codes trade errors between channels: tests/test_trellis.py)
+BOUNDED_FORMATS = [f for f in QUANT_FORMATS if format_spec(f).kind != "trellis"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -50,7 +52,7 @@ def _roundtrip(x, fmt, group_size, axis, scale_dtype):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    fmt=st.sampled_from(QUANT_FORMATS),
+    fmt=st.sampled_from(BOUNDED_FORMATS),
     dtype=st.sampled_from(DTYPES),
     d=st.sampled_from([8, 16, 64]),
     t=st.integers(1, 9),
@@ -92,13 +94,13 @@ def test_zeros_roundtrip_exactly(fmt, dtype):
     x = torch.zeros(1, 2, 3, 16, dtype=dtype)
     q, y = _roundtrip(x, fmt, None, "token", torch.float16)
     assert torch.equal(y, x.float())
-    if format_spec(fmt).kind == "codebook":  # no zero level: scale 0 (never a divisor) marks the group
+    if format_spec(fmt).kind in ("codebook", "trellis"):  # no zero level: scale 0 marks the group
         assert (q.scale.float() == 0).all()
     else:
         assert (q.scale.float() == 1).all()  # never a zero scale
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("fmt", BOUNDED_FORMATS)
 @pytest.mark.parametrize("c", [0.3, -7.77, 1234.5, 1e-6])
 def test_constant_vector_roundtrips_to_scale_dtype_rounding(fmt, c):
     """Integers: a constant vector comes back to fp16 rounding of the constant. fp8 codes round the

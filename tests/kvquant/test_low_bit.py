@@ -328,6 +328,15 @@ PINNED = {  # what the low-bit presets are; a change here is a change of a measu
         recent_length=96,
         **_RECENT,
     ),
+    "tcq3v2-recent": dict(key_format="tcq3", value_format="tcq2", recent_length=64, **_RECENT),
+    "tcq2-recent": dict(
+        key_format="tcq2",
+        value_format="tcq2",
+        key_group_size=32,
+        scale_dtype="float8_e4m3",
+        recent_length=96,
+        **_RECENT,
+    ),
 }
 
 
