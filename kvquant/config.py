@@ -116,8 +116,8 @@ class KVQuantConfig:
             raise _bad(
                 "key_group_size", None, "a positive integer (tokens per block) when key_axis is 'channel'"
             )
-        if self.key_axis == "channel" and format_spec(self.key_format).kind in ("codebook", "trellis"):
-            raise _bad("key_axis", self.key_axis, f"'token' for the codebook key_format {self.key_format}")
+        if self.key_axis == "channel" and format_spec(self.key_format).token_axis_only:
+            raise _bad("key_axis", self.key_axis, f"'token' for the key_format {self.key_format}")
         if self.rotation not in ROTATIONS:
             raise _bad("rotation", self.rotation, ", ".join(ROTATIONS))
         if self.smoothing not in SMOOTHINGS:
@@ -136,8 +136,7 @@ class KVQuantConfig:
             raise _bad("scale_dtype", self.scale_dtype, ", ".join(SCALE_DTYPES))
         if self.static_scales is not None:
             for f in ("key_format", "value_format"):
-                kind = format_spec(getattr(self, f)).kind
-                if kind in ("int_asym", "codebook", "trellis"):
+                if not format_spec(getattr(self, f)).takes_static_scale:
                     raise _bad(
                         f, getattr(self, f), "int8, fp8_e4m3, fp8_e5m2 or none when static_scales is set"
                     )

@@ -118,6 +118,16 @@ class FormatSpec:
         return self.kind in ("int_asym", "codebook", "trellis")
 
     @property
+    def token_axis_only(self) -> bool:
+        """Whether scales can only run along the token axis (codebooks and trellis codes)."""
+        return self.kind in ("codebook", "trellis")
+
+    @property
+    def takes_static_scale(self) -> bool:
+        """Whether codes can share one calibrated scale per head (int8, fp8; ``none`` needs none)."""
+        return self.kind in ("passthrough", "int_sym", "float")
+
+    @property
     def levels(self) -> torch.Tensor:
         """Codebook levels ``[2**bits]`` (ascending, fp32) of a ``codebook`` format."""
         return lloyd_max_levels(self.bits)
@@ -369,14 +379,14 @@ def quantize(
     xf = x.float()
 
     if static_scale is not None:
-        if spec.kind in ("int_asym", "codebook", "trellis"):
+        if not spec.takes_static_scale:
             raise ValueError(f"static_scale: only int8 and fp8 formats take static scales, not {fmt}")
         scale = static_scale.to(scale_dtype).view(1, -1, 1, 1)
         _check_finite(x, xf.abs().amax(), scale_dtype=scale_dtype)
         codes = _encode_symmetric(xf, scale.float(), spec)
         return QuantizedBlock(codes, scale, None)
 
-    if spec.kind in ("codebook", "trellis") and axis != "token":
+    if spec.token_axis_only and axis != "token":
         raise ValueError(f"axis: {spec.kind} format {fmt} takes scales along the token axis only")
     xg, red = _group_view(xf, g, axis)
     if spec.kind == "trellis":
