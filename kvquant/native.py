@@ -1,4 +1,5 @@
 """The native CPU decode kernel (``kvquant/csrc/decode_cpu.c``): built at first use, called via ctypes.
+The same library quantizes integer formats into the store and runs the trellis encoder.
 
 Same operands and results as :func:`kvquant.decode_cpu.decode_attention_torch` (the torch twin the
 tests compare it with). The torch path stays the fallback: when no C compiler is found, the build
@@ -104,7 +105,7 @@ def _build(cc: str, flags: tuple[str, ...] = CFLAGS) -> Path:
 
 
 def _load(path: Path) -> ctypes.CDLL:
-    """Open a built library and declare its two entry points."""
+    """Open a built library and declare its entry points."""
     lib = ctypes.CDLL(str(path))
     p, i64, op = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Operand)
     fn = lib.kvq_decode
@@ -115,6 +116,9 @@ def _load(path: Path) -> ctypes.CDLL:
     qz.restype = ctypes.c_int
     qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
     qz.argtypes += [ctypes.c_int] * 4
+    tr = lib.kvq_trellis_encode
+    tr.restype = ctypes.c_int
+    tr.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_int, i64, p, ctypes.c_int]
     return lib
 
 
@@ -371,3 +375,30 @@ def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
     if rc < 0:
         raise MemoryError("native CPU quantize kernel: out of memory")
     return rc == 0
+
+
+def trellis_encode_native(
+    y: torch.Tensor, bits: int, state_bits: int, table: torch.Tensor, two_pass_from: int
+):
+    """Codes ``[N, D]`` (uint8) of :func:`kvquant.trellis.trellis_encode` for CPU ``y[N, D]``, from the C
+    twin (the same codes), or None where it does not apply (not on CPU, or no kernel built)."""
+    if y.is_cuda or _library() is None:
+        return None
+    yc = y.float().contiguous()
+    tc = table.float().contiguous()
+    n, d = yc.shape
+    codes = torch.empty(n, d, dtype=torch.uint8)
+    rc = _state["lib"].kvq_trellis_encode(
+        yc.data_ptr(),
+        n,
+        d,
+        tc.data_ptr(),
+        bits,
+        state_bits,
+        two_pass_from,
+        codes.data_ptr(),
+        _threads(n * 16),
+    )
+    if rc < 0:
+        raise MemoryError("native CPU trellis encoder: out of memory")
+    return codes

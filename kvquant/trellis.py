@@ -20,7 +20,9 @@ From 64 channels on, the encoder runs two Viterbi passes: one over the vector ro
 channels (so the seam lies inside the path), which fixes the ``m - 1`` codes that wrap around, and
 one with those codes as the history before channel 0 and the required end (exactly optimal under
 that constraint); on 64 channels its error is within 0.5% of the exact circular optimum. Shorter
-heads try every history (``2**(L - k)`` constrained passes) and get the exact optimum.
+heads try every history (``2**(L - k)`` constrained passes) and get the exact optimum. On CPU the
+search runs in C (``kvq_trellis_encode`` in ``csrc/decode_cpu.c``, the same codes as the torch twin
+:func:`trellis_encode_torch`, which runs elsewhere and without a compiler).
 
 Example:
     >>> y = torch.randn(5, 64)
@@ -38,10 +40,10 @@ import torch
 
 from kvquant.trellis_tables import TABLES
 
-# bits per channel -> (state bits L, table); L is a multiple of the bits
+# bits per channel -> state bits L (a multiple of the bits)
 TRELLIS_STATE_BITS = {2: 8, 3: 9}
-_CHUNK = 2048
-_TWO_PASS_FROM = 64  # head sizes from which the two-pass search replaces trying every history  # vectors per Viterbi batch (back pointers: D * chunk * 2**(L-k) bytes)
+_CHUNK = 2048  # vectors per Viterbi batch (back pointers: 8 * D * chunk * 2**(L-k) bytes)
+_TWO_PASS_FROM = 64  # head sizes from which the two-pass search replaces trying every history
 
 
 def trellis_table(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -73,8 +75,11 @@ def trellis_decode(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return trellis_table(bits, codes.device)[trellis_states(codes, bits)]
 
 
-def _viterbi(y: torch.Tensor, table: torch.Tensor, bits: int, history: torch.Tensor | None) -> torch.Tensor:
-    """Least-squared-error states ``[N, D]`` (int64) for ``y[N, D]``.
+def _viterbi(
+    y: torch.Tensor, table: torch.Tensor, bits: int, history: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squared-error states ``[N, D]`` (int64) for ``y[N, D]``, and that error ``[N]`` (fp32,
+    summed channel by channel).
 
     ``history`` (``[N]``, the ``(m-1) * bits``-bit word of the codes before channel 0) fixes the
     start and requires the path to end on the same codes (a closed circle); ``None`` leaves both
@@ -91,26 +96,24 @@ def _viterbi(y: torch.Tensor, table: torch.Tensor, bits: int, history: torch.Ten
     if history is not None:
         start = (torch.arange(n_states, device=y.device) >> k)[None, :] == history[:, None]
         cost = torch.where(start, cost, inf)
-    back = torch.empty(d, n, n_groups, dtype=torch.uint8, device=y.device)
+    tv = table.view(n_groups, 1 << k)
+    back = []  # back[t - 1]: [N, P] the best predecessor (its top code) of each group at channel t
     for t in range(1, d):
-        best, j = cost.view(n, 1 << k, n_groups).min(1)  # [N, P]: the best predecessor of group p
-        back[t] = j.to(torch.uint8)
-        cost = (best[:, :, None] + (y[:, t, None, None] - table.view(n_groups, 1 << k)) ** 2).view(
-            n, n_states
-        )
+        best, j = cost.view(n, 1 << k, n_groups).min(1)  # [N, P]
+        back.append(j)
+        cost = (best[:, :, None] + (y[:, t, None, None] - tv) ** 2).view(n, n_states)
     if history is not None:
         end = (torch.arange(n_states, device=y.device) & low_mask)[None, :] == history[:, None]
         cost = torch.where(end, cost, inf)
-    s = cost.argmin(-1)  # [N]
+    least, s = cost.min(-1, keepdim=True)  # [N, 1]
     states = torch.empty(n, d, dtype=torch.long, device=y.device)
-    states[:, -1] = s
+    states[:, -1:] = s
     shift = (n_states.bit_length() - 1) - k
     for t in range(d - 1, 0, -1):
         p = s >> k
-        j = back[t].gather(1, p[:, None]).squeeze(1).long()
-        s = p | (j << shift)
-        states[:, t - 1] = s
-    return states
+        s = p | (back[t - 1].gather(1, p) << shift)
+        states[:, t - 1 : t] = s
+    return states, least[:, 0]
 
 
 def trellis_encode(y: torch.Tensor, bits: int, table: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,6 +127,17 @@ def trellis_encode(y: torch.Tensor, bits: int, table: torch.Tensor | None = None
     m = TRELLIS_STATE_BITS[bits] // bits
     if d < m:
         raise ValueError(f"head_dim: trellis codes of {bits} bits need at least {m} channels, got {d}")
+    from kvquant.native import trellis_encode_native  # (native imports formats, which imports this)
+
+    native = trellis_encode_native(y, bits, TRELLIS_STATE_BITS[bits], table, _TWO_PASS_FROM)
+    if native is not None:  # CPU: the C twin, the same codes
+        return native
+    return trellis_encode_torch(y, bits, table)
+
+
+def trellis_encode_torch(y: torch.Tensor, bits: int, table: torch.Tensor) -> torch.Tensor:
+    """The torch twin of the C encoder (``kvq_trellis_encode``): :func:`trellis_encode` on any device."""
+    n, d = y.shape
     n_hist = table.numel() >> bits  # words of the m - 1 codes before channel 0
     out = torch.empty(n, d, dtype=torch.uint8, device=y.device)
     exact = d < _TWO_PASS_FROM
@@ -133,14 +147,13 @@ def trellis_encode(y: torch.Tensor, bits: int, table: torch.Tensor | None = None
         if exact:  # every history, the best closed circle
             c = yc.shape[0]
             hist = torch.arange(n_hist, device=y.device).repeat(c)  # [c * H]
-            states = _viterbi(yc.repeat_interleave(n_hist, 0), table, bits, hist)  # [c * H, D]
-            err = (table[states] - yc.repeat_interleave(n_hist, 0)).pow(2).sum(1).view(c, n_hist)
-            pick = err.argmin(1) + torch.arange(c, device=y.device) * n_hist
+            states, err = _viterbi(yc.repeat_interleave(n_hist, 0), table, bits, hist)  # [c * H, D]
+            pick = err.view(c, n_hist).argmin(1) + torch.arange(c, device=y.device) * n_hist
             states = states[pick]
         else:  # the first pass reads the circle across the seam, fixing the codes that wrap around
             r = d // 2
-            seam = _viterbi(torch.roll(yc, r, dims=1), table, bits, None)[:, r - 1]  # channel D-1
-            states = _viterbi(yc, table, bits, seam & (n_hist - 1))
+            seam = _viterbi(torch.roll(yc, r, dims=1), table, bits, None)[0][:, r - 1]  # channel D-1
+            states = _viterbi(yc, table, bits, seam & (n_hist - 1))[0]
         out[i : i + chunk] = (states & ((1 << bits) - 1)).to(torch.uint8)
     return out
 

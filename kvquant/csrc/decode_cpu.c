@@ -718,3 +718,102 @@ int kvq_quantize(const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int
     free(q);
     return bad;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Trellis encoder: the native twin of kvquant.trellis.trellis_encode (same codes). The squared
+ * errors are formed and summed in the twin's order (difference, square, add; fp32, nothing fused)
+ * and ties go to the first index, as torch's min does.
+ */
+#pragma STDC FP_CONTRACT OFF
+
+/* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
+ * cost / next: [S] floats, back: [d * P] bytes; writes states[0..d) and returns the least error. */
+__attribute__((optimize("fp-contract=off"))) static float trellis_pass(
+    const float *restrict y, int64_t d, const float *restrict table, int k, int L, int64_t history,
+    float *restrict cost, float *restrict next, uint8_t *restrict back, int64_t *restrict states) {
+    const int S = 1 << L, K = 1 << k, P = S >> k, shift = L - k;
+    for (int s = 0; s < S; s++) {
+        const float e = y[0] - table[s];
+        const float sq = e * e;
+        cost[s] = (history >= 0 && (s >> k) != history) ? INFINITY : sq;
+    }
+    for (int64_t t = 1; t < d; t++) {
+        for (int p = 0; p < P; p++) { /* predecessors of the states p*K + b: p | j << shift */
+            float best = cost[p];
+            int bj = 0;
+            for (int j = 1; j < K; j++)
+                if (cost[j * P + p] < best) best = cost[j * P + p], bj = j;
+            back[t * P + p] = (uint8_t)bj;
+            for (int b = 0; b < K; b++) {
+                const float e = y[t] - table[p * K + b];
+                const float sq = e * e;
+                next[p * K + b] = best + sq;
+            }
+        }
+        float *tmp = cost;
+        cost = next;
+        next = tmp;
+    }
+    int64_t s = -1;
+    float least = INFINITY;
+    for (int i = 0; i < S; i++) {
+        if (history >= 0 && (i & (P - 1)) != history) continue;
+        if (s < 0 || cost[i] < least) least = cost[i], s = i;
+    }
+    states[d - 1] = s;
+    for (int64_t t = d - 1; t > 0; t--) {
+        const int64_t p = s >> k;
+        s = p | ((int64_t)back[t * P + p] << shift);
+        states[t - 1] = s;
+    }
+    return least;
+}
+
+/* Codes [n, d] (uint8, k bits each) for y [n, d] (contiguous fp32) with the 2**L-entry table:
+ * below two_pass_from channels every history is tried, else two passes (see trellis.py).
+ * Returns 0, or -1 when out of memory. */
+int kvq_trellis_encode(const float *y, int64_t n, int64_t d, const float *table, int k, int L,
+                       int64_t two_pass_from, uint8_t *codes, int n_threads) {
+    const int S = 1 << L, P = S >> k;
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads)
+    {
+        float *cost = malloc(sizeof(float) * 2 * (size_t)S);
+        uint8_t *back = malloc((size_t)(d * P));
+        int64_t *states = malloc(sizeof(int64_t) * 2 * (size_t)d);
+        float *rolled = malloc(sizeof(float) * (size_t)d);
+        const int ok = cost && back && states && rolled;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t *best_states = ok ? states + d : NULL;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            if (!ok) continue;
+            const float *yi = y + i * d;
+            if (d < two_pass_from) {
+                float least = INFINITY;
+                for (int64_t h = 0; h < P; h++) {
+                    const float e = trellis_pass(yi, d, table, k, L, h, cost, cost + S, back, states);
+                    if (h == 0 || e < least) {
+                        least = e;
+                        memcpy(best_states, states, sizeof(int64_t) * (size_t)d);
+                    }
+                }
+            } else {
+                const int64_t r = d / 2; /* rolled[t] = y[(t - r) mod d]: channel d-1 at r-1 */
+                for (int64_t t = 0; t < d; t++) rolled[t] = yi[(t - r + d) % d];
+                trellis_pass(rolled, d, table, k, L, -1, cost, cost + S, back, states);
+                const int64_t seam = states[r - 1] & (P - 1);
+                trellis_pass(yi, d, table, k, L, seam, cost, cost + S, back, best_states);
+            }
+            for (int64_t t = 0; t < d; t++) codes[i * d + t] = (uint8_t)(best_states[t] & ((1 << k) - 1));
+        }
+        free(cost);
+        free(back);
+        free(states);
+        free(rolled);
+    }
+    return failed ? -1 : 0;
+}

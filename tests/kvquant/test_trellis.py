@@ -13,6 +13,7 @@ from kvquant.trellis import (
     _viterbi,
     trellis_decode,
     trellis_encode,
+    trellis_encode_torch,
     trellis_states,
     trellis_table,
 )
@@ -55,8 +56,9 @@ def test_viterbi_with_history_is_the_exact_optimum(bits):
     gen = torch.Generator().manual_seed(bits)
     y = torch.randn(6, d, generator=gen) * 1.3
     h = torch.randint(0, 1 << (bits * (m - 1)), (6,), generator=gen)
-    states = _viterbi(y, trellis_table(bits), bits, h)
+    states, least = _viterbi(y, trellis_table(bits), bits, h)
     got = (trellis_table(bits)[states] - y).pow(2).sum(1)
+    assert torch.allclose(least, got, rtol=1e-5, atol=1e-6)  # the error it reports is the path's
     for i in range(6):
         allowed = history == h[i]
         best = (decoded[allowed] - y[i]).pow(2).sum(1).min()
@@ -85,7 +87,7 @@ def test_two_pass_encoder_is_within_one_percent_of_the_best_circle(bits):
     exact = (
         torch.stack(
             [
-                (table[_viterbi(y, table, bits, torch.full((100,), h))] - y).pow(2).sum(1)
+                (table[_viterbi(y, table, bits, torch.full((100,), h))[0]] - y).pow(2).sum(1)
                 for h in range(n_hist)
             ]
         )
@@ -95,6 +97,26 @@ def test_two_pass_encoder_is_within_one_percent_of_the_best_circle(bits):
     got = (trellis_decode(trellis_encode(y, bits), bits) - y).pow(2).sum(1)
     assert bool((got >= exact - 1e-4).all())
     assert got.sum() <= 1.01 * exact.sum()
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize(("n", "d"), [(1, 64), (37, 64), (5, 128), (9, 16), (3, 4), (300, 64)])
+def test_c_encoder_gives_the_codes_of_its_torch_twin(bits, n, d):
+    """The C encoder (CPU) against the torch twin, with the shipped table and with another one
+    (training passes its own): the same codes, including where errors tie."""
+    from kvquant.native import native_available, trellis_encode_native
+
+    if not native_available():
+        pytest.skip("no C compiler: the torch twin is the only encoder")
+    gen = torch.Generator().manual_seed(n * d + bits)
+    y = torch.randn(n, d, generator=gen)
+    y[0, : d // 2] = y[0, d // 2 :]  # a vector that repeats: equal costs along the circle
+    other = torch.randn(2 ** TRELLIS_STATE_BITS[bits], generator=gen)
+    for table in (trellis_table(bits), other):
+        state_bits = TRELLIS_STATE_BITS[bits]
+        native = trellis_encode_native(y, bits, state_bits, table, 64)
+        assert torch.equal(native, trellis_encode_torch(y, bits, table))
+    assert torch.equal(trellis_encode(y, bits), trellis_encode_torch(y, bits, trellis_table(bits)))
 
 
 @pytest.mark.parametrize("bits", [2, 3])
