@@ -1,5 +1,6 @@
 # make demo  - run the main job on the embedded model (sets up .venv first if needed)
 # make test  - run the test suite (sets up .venv first if needed)
+# make test-fast - the suite without the `slow` tests (the inner loop)
 # make lint  - ruff check + format check
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-setup
 LINT_PATHS := kvquant kernels eval tests
 
-.PHONY: setup test lint format demo clean
+.PHONY: setup test test-fast lint format demo clean
 
 setup: $(STAMP)
 
@@ -26,6 +27,9 @@ $(STAMP): pyproject.toml requirements-lock.txt
 # would become top-level modules. Tests import the installed (editable) package only.
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -6,8 +6,8 @@ Sources (``corpus.name``):
   with the package: works offline on a fresh machine (about 5,000 SmolLM2 tokens).
 - ``wikitext2``: the raw WikiText-2 test split from the Hugging Face hub via ``datasets``, rows
   joined with ``"\\n\\n"`` (the usual perplexity protocol). When the hub cannot be reached it falls
-  back, with a message, to a local copy of the split (``$KVQUANT_WIKITEXT2`` or
-  ``../shared/data/wikitext-2-raw-test.txt``), which is read as stored (rows already end in newlines).
+  back, with a message, to a local copy of the split named by ``$KVQUANT_WIKITEXT2``, which is read
+  as stored (rows already end in newlines).
 - a local ``.txt`` file, read through ``datasets``' ``text`` builder with line breaks kept and joined
   with ``""``: the file exactly as stored; or a ``.jsonl`` / ``.json`` file, the ``text_field`` of each
   row joined with ``"\\n\\n"``. ``corpus.join`` overrides the separator.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import logging
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kvquant.env import hub_offline, wikitext2_path
 from kvquant.eval.config import CorpusSection, EvalError
 
 logger = logging.getLogger(__name__)
@@ -48,20 +48,12 @@ def embedded_corpus_path() -> Path:
 
 
 def _local_wikitext2() -> Path | None:
-    env = os.environ.get("KVQUANT_WIKITEXT2")
-    candidates = [Path(env)] if env else []
-    candidates += [
-        Path.cwd() / ".." / "shared" / "data" / WIKITEXT2_LOCAL,
-        Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / WIKITEXT2_LOCAL,
-    ]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    return None
+    path = wikitext2_path()
+    return path.resolve() if path is not None and path.is_file() else None
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+    if hub_offline():
         return False
     try:  # one DNS + TCP probe instead of `datasets`' ~25 s of retries when offline
         socket.create_connection((_HUB_HOST, 443), timeout=timeout).close()

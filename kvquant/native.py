@@ -7,7 +7,7 @@ fails, ``KVQUANT_NATIVE=0`` is set, or a format has no native reader (``none``),
 the torch path with the same numbers.
 
 The shared library is compiled once per machine with ``$CC`` (default ``cc``) and
-``-O3 -march=native`` into ``<cache_root>/native/`` (see :func:`kvquant.models.cache_root`), named
+``-O3 -march=native`` into ``<cache_root>/native/`` (see :func:`kvquant.env.cache_root`), named
 by a hash of the source, the flags, the compiler's version and the CPU model, and loaded from there
 afterwards (a second process reuses it; an interrupted build leaves nothing half-written).
 
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvquant.env import c_compiler, cache_root, native_enabled
 from kvquant.formats import format_spec
 
 log = logging.getLogger("kvquant")
@@ -79,8 +80,6 @@ def _cpu_model() -> str:
 
 def _build(cc: str, flags: tuple[str, ...] = CFLAGS) -> Path:
     """Compile the source with ``flags`` unless a build with the same key exists; its path."""
-    from kvquant.models import cache_root
-
     source = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
@@ -126,13 +125,13 @@ def _library():
     """The loaded kernel library, or None (the reason is logged once and kept in ``_state``)."""
     if "lib" in _state or "error" in _state:
         return _state.get("lib")
-    if os.environ.get("KVQUANT_NATIVE", "1") == "0":
+    if not native_enabled():
         _state["error"] = "disabled by KVQUANT_NATIVE=0"
         return None
-    cc = shutil.which(os.environ.get("CC", "cc"))
+    cc = shutil.which(c_compiler())
     try:
         if cc is None:
-            raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)")
+            raise RuntimeError(f"no C compiler ({c_compiler()!r} not on PATH)")
         try:
             path = _build(cc)
         except RuntimeError:  # a compiler without OpenMP: one thread per call, same results
