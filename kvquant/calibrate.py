@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from kvquant.config import KVQuantConfig
 from kvquant.formats import format_spec
-from kvquant.rotation import rotate
+from kvquant.transforms import rotate
 
 
 @torch.no_grad()

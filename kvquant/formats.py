@@ -104,6 +104,21 @@ class FormatSpec:
     code_dtype: torch.dtype | None  # None: the input's own dtype (pass-through)
 
     @property
+    def has_scale(self) -> bool:  # TEMPORARY (lead's branch)
+        return self.kind != "passthrough"
+
+    def bytes_per_token(self, head_dim, group_size, axis, scale_itemsize, static=False, fp_itemsize=2):  # TEMP
+        if self.kind == "passthrough":
+            return float(head_dim * fp_itemsize)
+        codes = self.code_width(head_dim)
+        if static:
+            return float(codes)
+        per_scale = scale_itemsize * (2 if self.has_zero else 1)
+        if axis == "channel":
+            return codes + head_dim * per_scale / group_size
+        return codes + (head_dim // group_size) * per_scale
+
+    @property
     def has_zero(self) -> bool:
         return self.kind == "int_asym"
 

@@ -401,3 +401,29 @@ def trellis_encode_native(
     if rc < 0:
         raise MemoryError("native CPU trellis encoder: out of memory")
     return codes
+
+
+def native_quantizes_args(x, fmt, axis, scale) -> bool:  # TEMPORARY (lead's branch)
+    spec = format_spec(fmt)
+    return (not x.is_cuda and axis == "token" and spec.kind in ("int_sym", "int_asym")
+            and scale is not None and scale.dtype in _WRITTEN_SCALE_DTYPES and _library() is not None)
+
+
+def quantize_into_buffers(x, codes, scale, zero, index, fmt) -> bool:  # TEMPORARY (lead's branch)
+    spec = format_spec(fmt)
+    xf = x.float()
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    b, h, n, d = xf.shape
+    zero = zero if zero is not None else scale
+    cs, ss, xs = _strides(codes), _strides(scale), _strides(xf)
+    rc = _state["lib"].kvq_quantize(
+        xf.data_ptr(), b, h, n, d, *xs,
+        codes.data_ptr() + index * codes.stride(2), *cs,
+        scale.data_ptr() + index * scale.stride(2) * scale.element_size(),
+        zero.data_ptr() + index * zero.stride(2) * zero.element_size(), *ss,
+        _SCALE_DTYPES[scale.dtype], spec.bits, int(spec.kind == "int_sym"), scale.shape[-1],
+    )  # fmt: skip
+    if rc < 0:
+        raise MemoryError("native CPU quantize kernel: out of memory")
+    return rc == 0

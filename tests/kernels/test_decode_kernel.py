@@ -22,7 +22,7 @@ import torch
 
 from kvquant.formats import QuantizedBlock, dequantize, format_spec
 from kvquant.kernels import merge_attention, quantized_decode_attention, quantized_decode_attention_ref
-from kvquant.store import TokenStore
+from kvquant.cache.store import TokenStore
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")

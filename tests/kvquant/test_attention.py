@@ -14,7 +14,7 @@ import kvquant
 from kvquant import KVQuantCache, KVQuantConfig
 from kvquant.attention import dense_attention, kvquant_attention_forward
 from kvquant.config import preset_names
-from kvquant.layer import QuantizedKVLayer
+from kvquant.cache import QuantizedKVLayer
 from kvquant.models import tiny_model
 
 FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gemma3"]

@@ -29,7 +29,7 @@ def test_static_scales_round_trip_and_save_bytes(tmp_path, fmt, rotation):
         for cache in (static, dynamic):
             model(input_ids=ids[:, :48], cache=cache)
     layer = static.layers[0]
-    assert layer.k_store.scale is None and layer.k_store.static_scale.shape == (1, n_heads, 1, 1)
+    assert layer.main.k_store.scale is None and layer.main.k_store.static_scale.shape == (1, n_heads, 1, 1)
     assert static.nbytes() < dynamic.nbytes()  # no per-token scales
     k_static, _ = layer.read_history()
     k_dynamic, _ = dynamic.layers[0].read_history()

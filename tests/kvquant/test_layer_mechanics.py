@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.layer import QuantizedKVLayer
+from kvquant.cache import QuantizedKVLayer
 from kvquant.models import tiny_model
 
 B, H, D = 2, 3, 16
@@ -25,8 +25,8 @@ def _kv(n, seed):
 
 
 def _codes(layer, p0, p1):
-    i0, i1 = p0 - layer.base, p1 - layer.base
-    return layer.k_store.codes[:, :, i0:i1].clone(), layer.v_store.codes[:, :, i0:i1].clone()
+    i0, i1 = p0 - layer.main.origin, p1 - layer.main.origin
+    return layer.main.k_store.codes[:, :, i0:i1].clone(), layer.main.v_store.codes[:, :, i0:i1].clone()
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_old_codes_are_bit_identical_after_many_appends(cfg):
         layer.update(*_kv(1, step + 1))
     after = _codes(layer, 0, first_end)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
-    assert layer.seq_len == 79 and layer.k_store.capacity >= layer.store_end
+    assert layer.seq_len == 79 and layer.main.k_store.capacity >= layer.store_end
 
 
 def test_buffers_keep_data_ptr_between_growths():
@@ -56,15 +56,15 @@ def test_buffers_keep_data_ptr_between_growths():
     layer.update(*_kv(2, 0))
     growths = 0
     for step in range(40):
-        cap = layer.k_store.capacity
-        ptr = layer.k_store.codes.data_ptr()
+        cap = layer.main.k_store.capacity
+        ptr = layer.main.k_store.codes.data_ptr()
         layer.update(*_kv(1, step))
-        if layer.k_store.capacity == cap:
-            assert layer.k_store.codes.data_ptr() == ptr  # written in place
+        if layer.main.k_store.capacity == cap:
+            assert layer.main.k_store.codes.data_ptr() == ptr  # written in place
         else:
             growths += 1
-            assert layer.k_store.capacity >= 2 * cap  # geometric
-    assert growths == 3 and layer.k_store.capacity == 64  # 42 tokens: 8 -> 16 -> 32 -> 64 slots
+            assert layer.main.k_store.capacity >= 2 * cap  # geometric
+    assert growths == 3 and layer.main.k_store.capacity == 64  # 42 tokens: 8 -> 16 -> 32 -> 64 slots
 
 
 def test_history_is_stored_tokens_then_the_call_gets_its_own_fresh_tokens():
@@ -131,7 +131,7 @@ def test_deepcopy_continues_like_the_original(preset):
     a = model(input_ids=nxt, cache=cache).logits
     b = model(input_ids=nxt, cache=clone).logits
     assert torch.equal(a, b)
-    assert clone.layers[0].k_store.codes.data_ptr() != cache.layers[0].k_store.codes.data_ptr()
+    assert clone.layers[0].main.k_store.codes.data_ptr() != cache.layers[0].main.k_store.codes.data_ptr()
 
 
 def test_multi_turn_generate_matches_an_uninterrupted_forward_loop():
@@ -176,8 +176,8 @@ def test_sinks_are_each_rows_first_real_tokens_under_left_padding():
         model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=c)
     layer, ref_layer = cache.layers[1], ref.layers[1]
     assert layer.pads.tolist() == [4, 0]
-    torch.testing.assert_close(layer.sink_k[0], ref_layer.keys[0, :, 4:7], rtol=0, atol=0)
-    torch.testing.assert_close(layer.sink_k[1], ref_layer.keys[1, :, 0:3], rtol=0, atol=0)
+    torch.testing.assert_close(layer.sinks.k[0], ref_layer.keys[0, :, 4:7], rtol=0, atol=0)
+    torch.testing.assert_close(layer.sinks.k[1], ref_layer.keys[1, :, 0:3], rtol=0, atol=0)
     k, _ = layer.read_history()  # the sink positions come back in full precision, the rest quantized
     assert torch.equal(k[0, :, 4:7], ref_layer.keys[0, :, 4:7]) and torch.equal(
         k[1, :, :3], ref_layer.keys[1, :, :3]
@@ -196,7 +196,7 @@ def test_sliding_layers_hold_only_the_window():
         if layer.is_sliding:
             assert layer.get_seq_length() == 60
             assert layer.held_tokens() <= layer.sliding_window - 1 + layer.config.residual_length + 1
-            assert layer.k_store.capacity <= 64  # compaction reuses the buffer instead of growing
+            assert layer.main.k_store.capacity <= 64  # compaction reuses the buffer instead of growing
         else:
             assert layer.held_tokens() == 60
 
@@ -221,7 +221,7 @@ def test_crop_rules():
     layer.crop(0)
     assert layer.seq_len == 10
     layer.crop(-5)  # reaches into the store: token axis just forgets the positions
-    assert layer.seq_len == 5 and layer.store_end == 5 and layer.tail_len == 0
+    assert layer.seq_len == 5 and layer.store_end == 5 and len(layer.tail) == 0
     k, _ = layer.update(*_kv(1, 1))
     assert k.shape[2] == 6
 
@@ -232,7 +232,7 @@ def test_channel_axis_crop_inside_a_block_keeps_the_kept_part_in_the_tail():
     assert layer.store_end == 12
     hist_before = layer.read_history()[0]
     layer.crop(-2)  # positions 10, 11 go; 8, 9 shared a block with them
-    assert (layer.store_end, layer.tail_len, layer.seq_len) == (8, 2, 10)
+    assert (layer.store_end, len(layer.tail), layer.seq_len) == (8, 2, 10)
     assert torch.equal(layer.read_history()[0], hist_before[:, :, :10])
 
 

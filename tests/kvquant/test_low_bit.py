@@ -120,7 +120,7 @@ def _layer_roundtrip(cfg: KVQuantConfig, k: torch.Tensor, v: torch.Tensor):
     layer = cache.layers[0]
     layer.lazy_initialization(k, v)
     layer.append(k, v)
-    return layer, *layer.read_store(0, k.shape[2])
+    return layer, *layer.read(0, k.shape[2])
 
 
 def test_mean_smoothing_removes_a_channel_offset_from_the_error():
@@ -150,7 +150,7 @@ def test_smoothing_statistics_skip_padding_and_sinks():
     layer.lazy_initialization(k, v)
     pos = torch.arange(12)[None].expand(2, -1) - torch.tensor([[0], [3]])
     layer.append(k, v, pos.clamp_min(0))
-    k_mean, k_std = layer.smooth[0].float(), layer.smooth[1].float()
+    k_mean, k_std = layer.transform.stats[0].float(), layer.transform.stats[1].float()
     assert torch.allclose(k_mean[0, :, 0], k[0, :, 1:].mean(1), atol=2e-3)
     assert torch.allclose(k_mean[1, :, 0], k[1, :, 4:].mean(1), atol=2e-3)
     assert torch.allclose(k_std[1, :, 0], k[1, :, 4:].std(1, unbiased=False), rtol=2e-3)

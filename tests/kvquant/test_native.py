@@ -185,7 +185,7 @@ def test_scales_are_read_in_their_stored_dtype(scale_dtype, axis):
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 16])
 def test_native_quantize_is_bit_exact_with_the_torch_spec(fmt, scale_dtype, group):
-    from kvquant.store import TokenStore
+    from kvquant.cache.store import TokenStore
 
     torch.manual_seed(6)
     b, h, n, d = 2, 3, 37, 64
@@ -206,7 +206,7 @@ def test_native_quantize_is_bit_exact_with_the_torch_spec(fmt, scale_dtype, grou
 
 
 def test_native_quantize_refuses_what_the_spec_refuses():
-    from kvquant.store import TokenStore
+    from kvquant.cache.store import TokenStore
 
     store = TokenStore("int4", 16, "token", torch.float16)
     store.allocate(1, 1, 16, 8, torch.float32, torch.device("cpu"))

@@ -7,7 +7,7 @@ import torch
 
 from kvquant import KVQuantCache, KVQuantConfig
 from kvquant.formats import dequantize, quantize
-from kvquant.layer import QuantizedKVLayer
+from kvquant.cache import QuantizedKVLayer
 from kvquant.memory import layer_bytes
 
 B, H, D = 2, 3, 16
@@ -51,26 +51,26 @@ def test_layout_and_exact_contents(chunks):
         vs.append(v)
         layer.update(k, v)
         assert layer.store_end == max(layer.seq_len - r, 0)
-        assert layer.main_end == max(layer.store_end - w, 0)
+        assert layer.main.end == max(layer.store_end - w, 0)
     k_all, v_all = torch.cat(ks, 2), torch.cat(vs, 2)
     hist_k, hist_v = layer.read_history()
     n = layer.seq_len
     # the recent window: the finer format of the tokens themselves
-    rec = slice(layer.main_end, layer.store_end)
+    rec = slice(layer.main.end, layer.store_end)
     assert torch.equal(hist_k[:, :, rec], _qdq(k_all[:, :, rec], "int8"))
     # the tail: exact
     assert torch.equal(hist_v[:, :, layer.store_end : n], v_all[:, :, layer.store_end : n])
     # older tokens: the main format, of the token itself (straight from the tail) or of its recent codes
-    old = hist_k[:, :, : layer.main_end]
-    direct = _qdq(k_all[:, :, : layer.main_end], "int2")
-    via_recent = _qdq(_qdq(k_all[:, :, : layer.main_end], "int8"), "int2")
+    old = hist_k[:, :, : layer.main.end]
+    direct = _qdq(k_all[:, :, : layer.main.end], "int2")
+    via_recent = _qdq(_qdq(k_all[:, :, : layer.main.end], "int8"), "int2")
     per_token = [
         torch.equal(old[:, :, t], direct[:, :, t]) or torch.equal(old[:, :, t], via_recent[:, :, t])
-        for t in range(layer.main_end)
+        for t in range(layer.main.end)
     ]
     assert all(per_token)
     err_recent = (hist_k[:, :, rec] - k_all[:, :, rec]).abs().max()
-    err_old = (old - k_all[:, :, : layer.main_end]).abs().max()
+    err_old = (old - k_all[:, :, : layer.main.end]).abs().max()
     assert err_recent < err_old / 10
 
 
@@ -78,9 +78,9 @@ def test_one_token_steps_requantize_from_the_recent_codes():
     layer = _layer(residual_length=0, recent_length=3)
     k, v = _kv(3, 0)
     layer.update(k, v)
-    assert (layer.main_end, layer.store_end) == (0, 3)
+    assert (layer.main.end, layer.store_end) == (0, 3)
     layer.update(*_kv(1, 1))  # position 0 leaves the window: re-quantized from its int8 codes
-    assert (layer.main_end, layer.store_end) == (1, 4)
+    assert (layer.main.end, layer.store_end) == (1, 4)
     hist_k, _ = layer.read_history()
     assert torch.equal(hist_k[:, :, :1], _qdq(_qdq(k[:, :, :1], "int8"), "int2"))
     assert torch.equal(hist_k[:, :, 1:3], _qdq(k[:, :, 1:3], "int8"))
@@ -91,10 +91,10 @@ def test_crop_into_the_window_and_the_main_store():
     layer.update(*_kv(12, 0))  # main [0, 7), recent [7, 11), tail [11, 12)
     full = layer.read_history()[0]
     layer.crop(-3)  # into the recent window
-    assert (layer.seq_len, layer.main_end, layer.store_end) == (9, 7, 9)
+    assert (layer.seq_len, layer.main.end, layer.store_end) == (9, 7, 9)
     assert torch.equal(layer.read_history()[0], full[:, :, :9])
     layer.crop(-4)  # into the main store
-    assert (layer.seq_len, layer.main_end, layer.store_end) == (5, 5, 5)
+    assert (layer.seq_len, layer.main.end, layer.store_end) == (5, 5, 5)
     assert torch.equal(layer.read_history()[0], full[:, :, :5])
     k, _ = layer.update(*_kv(1, 1))
     assert k.shape[2] == 6 and torch.equal(k[:, :, :5], full[:, :, :5])

@@ -1,4 +1,4 @@
-"""``TokenStore``: the quantized keys (or values) of one layer, laid out for the decode kernel.
+"""``TokenStore``: the quantized keys (or values) of one segment, laid out for the decode kernel.
 
 Buffers (``cap`` = capacity in tokens, grown geometrically):
 
@@ -9,25 +9,67 @@ Buffers (``cap`` = capacity in tokens, grown geometrically):
 - ``zero``   like ``scale``, asymmetric integer formats only.
 
 Every buffer is contiguous along the token axis so that one split-KV program streams one head's
-tokens. The store only knows buffer indices; which absolute token positions they hold is the
-layer's business.
+tokens. The store only knows buffer indices; which positions they hold is its segment's business.
+Rows already written are never rewritten in place: :meth:`TokenStore.move` builds new buffers, so an
+:class:`Operand` handed to the attention stays valid while the next tokens are appended.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from kvquant.formats import QuantizedBlock, dequantize, format_spec, quantize
+from kvquant.formats import QuantizedBlock, dequantize, format_spec
+from kvquant.kernels import ops
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class Operand:
+    """One of K / V of a quantized segment as a kernel reads it: the store's buffers, in place.
+
+    ``codes [B, H_kv, cap, W]``; ``scale`` / ``zero`` as :class:`TokenStore` holds them (a static
+    scale is ``[1, H_kv, 1, 1]``; both None for ``none``).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    fmt: str
+    group: int
+    axis: str
+    head_dim: int
+    static: bool = False  # scale is one calibrated [1, H_kv, 1, 1] scale per head
+
+    @property
+    def block(self) -> int:
+        return self.group if self.axis == "channel" else 1
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self.codes, self.scale, self.zero
+
+    def read(self, i0: int, i1: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize buffer indices ``[i0, i1)`` -> ``[B, H, i1 - i0, D]``."""
+        r = self.block
+        a, b = i0 // r * r, -(-i1 // r) * r  # whole scale blocks
+        scale, zero = self.scale, self.zero
+        if scale is not None and not self.static:
+            scale = scale[:, :, a // r : b // r]
+            zero = None if zero is None else zero[:, :, a // r : b // r]
+        blk = QuantizedBlock(self.codes[:, :, a:b], scale, zero)
+        x = dequantize(
+            blk, self.fmt, head_dim=self.head_dim, group_size=self.group, axis=self.axis, out_dtype=out_dtype
+        )
+        return x[:, :, i0 - a : i1 - a]
+
+
 class TokenStore:
-    """Codes and scales of one of K / V of one layer.
+    """Codes and scales of one of K / V of one segment.
 
     Args:
         fmt: format name (see :mod:`kvquant.formats`).
@@ -77,9 +119,9 @@ class TokenStore:
         code_dtype = dtype if self.spec.code_dtype is None else self.spec.code_dtype
         self.codes = torch.zeros(batch, heads, capacity, width, dtype=code_dtype, device=device)
         self.scale = self.zero = None
-        if self.spec.kind == "passthrough" or self.static_scale is not None:
-            if self.static_scale is not None:
-                self.static_scale = self.static_scale.to(device)
+        if self.static_scale is not None:
+            self.static_scale = self.static_scale.to(device)
+        if not self.spec.has_scale or self.static_scale is not None:
             return
         rows = capacity // self.block
         cols = head_dim // self.group_size if self.axis == "token" else head_dim
@@ -87,81 +129,62 @@ class TokenStore:
         if self.spec.has_zero:
             self.zero = torch.zeros(batch, heads, rows, cols, dtype=self.scale_dtype, device=device)
 
-    def grow(self, needed: int, used: int) -> None:
-        """Make room for ``needed`` tokens, keeping the first ``used``; capacity at least doubles."""
-        if needed <= self.capacity:
-            return
+    def _reallocate(self, capacity: int, src: int, used: int) -> None:
+        """New buffers of ``capacity`` tokens holding old indices ``[src, used)`` at ``[0, used - src)``."""
         old = (self.codes, self.scale, self.zero)
         b, h, _, _ = self.codes.shape
-        self.allocate(
-            b, h, self.head_dim, max(needed, 2 * self.capacity), self.codes.dtype, self.codes.device
-        )
-        rows = -(-used // self.block)
-        self.codes[:, :, :used].copy_(old[0][:, :, :used])
-        if self.scale is not None:
-            self.scale[:, :, :rows].copy_(old[1][:, :, :rows])
-        if self.zero is not None:
-            self.zero[:, :, :rows].copy_(old[2][:, :, :rows])
+        self.allocate(b, h, self.head_dim, capacity, self.codes.dtype, self.codes.device)
+        n, r = used - src, self.block
+        self.codes[:, :, :n].copy_(old[0][:, :, src:used])
+        for new, prev in ((self.scale, old[1]), (self.zero, old[2])):
+            if new is not None:
+                rows = -(-n // r)
+                new[:, :, :rows].copy_(prev[:, :, src // r : src // r + rows])
 
-    def buffers(self) -> list[torch.Tensor]:
-        return [t for t in (self.codes, self.scale, self.zero) if t is not None]
+    def grow(self, needed: int, used: int) -> None:
+        """Make room for ``needed`` tokens, keeping the first ``used``; capacity at least doubles."""
+        if needed > self.capacity:
+            self._reallocate(max(needed, 2 * self.capacity), 0, used)
+
+    def move(self, src: int, end: int, capacity: int | None = None) -> None:
+        """Keep buffer indices ``[src, end)`` at ``[0, end - src)`` (``src`` block aligned), in new
+        buffers of ``capacity`` tokens (default: the current one)."""
+        self._reallocate(capacity or self.capacity, src, end)
+
+    def operand(self) -> Operand:
+        scale = self.scale if self.scale is not None else self.static_scale
+        return Operand(
+            self.codes,
+            scale,
+            self.zero,
+            self.fmt,
+            self.group_size,
+            self.axis,
+            self.head_dim,
+            static=self.static_scale is not None,
+        )
 
     # ------------------------------------------------------------------------------------ data
 
-    def quantize(self, x: torch.Tensor) -> QuantizedBlock:
-        """Quantize ``x[B, H, n, D]`` with this store's format (``n`` a multiple of the block)."""
-        return quantize(
+    def write(self, index: int, x: torch.Tensor) -> None:
+        """Quantize ``x[B, H, n, D]`` into buffer indices ``[index, index + n)`` (block aligned)."""
+        if self.codes.is_meta:  # byte prediction (kvquant.memory): shapes only, nothing to compute
+            return
+        ops.quantize_append(
             x,
-            self.fmt,
+            self.codes,
+            self.scale if self.scale is not None else self.static_scale,
+            self.zero,
+            index,
+            fmt=self.fmt,
             group_size=self.group_size,
             axis=self.axis,
-            scale_dtype=self.scale_dtype,
-            static_scale=None if self.static_scale is None else self.static_scale.flatten(),
+            static_scale=self.static_scale is not None,
         )
-
-    def write(self, index: int, q: QuantizedBlock) -> None:
-        """Write a quantized block at buffer index ``index`` (block aligned) in place."""
-        n = q.codes.shape[2]
-        self.codes[:, :, index : index + n].copy_(q.codes)
-        if self.scale is not None:
-            r0, r1 = index // self.block, (index + n) // self.block
-            self.scale[:, :, r0:r1].copy_(q.scale)
-            if self.zero is not None:
-                self.zero[:, :, r0:r1].copy_(q.zero)
-
-    def block_at(self, i0: int, i1: int) -> tuple[QuantizedBlock, int]:
-        """Views of buffer indices ``[i0, i1)`` widened to whole blocks, and the offset of ``i0`` in them."""
-        a = (i0 // self.block) * self.block
-        b = -(-i1 // self.block) * self.block
-        scale = self.static_scale
-        zero = None
-        if self.scale is not None:
-            scale = self.scale[:, :, a // self.block : b // self.block]
-            zero = None if self.zero is None else self.zero[:, :, a // self.block : b // self.block]
-        return QuantizedBlock(self.codes[:, :, a:b], scale, zero), i0 - a
 
     def read(self, i0: int, i1: int, out_dtype: torch.dtype) -> torch.Tensor:
         """Dequantize buffer indices ``[i0, i1)`` -> ``[B, H, i1 - i0, D]``."""
-        blk, off = self.block_at(i0, i1)
-        x = dequantize(
-            blk,
-            self.fmt,
-            head_dim=self.head_dim,
-            group_size=self.group_size,
-            axis=self.axis,
-            out_dtype=out_dtype,
-        )
-        return x[:, :, off : off + (i1 - i0)]
-
-    def move(self, src: int, end: int, dst: int) -> None:
-        """Move buffer indices ``[src, end)`` to ``dst`` (block aligned, ``dst < src``), in place."""
-        n = end - src
-        self.codes[:, :, dst : dst + n] = self.codes[:, :, src:end].clone()
-        r = self.block
-        for t in (self.scale, self.zero):
-            if t is not None:
-                rows = -(-n // r)
-                t[:, :, dst // r : dst // r + rows] = t[:, :, src // r : src // r + rows].clone()
+        return self.operand().read(i0, i1, out_dtype)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension op (reorder / select / repeat) to every buffer."""

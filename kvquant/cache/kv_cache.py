@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
 
 from kvquant.config import KVQuantConfig
-from kvquant.layer import QuantizedKVLayer
+from kvquant.cache.layer import QuantizedKVLayer, make_layer
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
 
@@ -92,7 +92,7 @@ class KVQuantCache(Cache):
                 continue
             static = None if scales is None else (scales["keys"][i], scales["values"][i])
             layers.append(
-                QuantizedKVLayer(
+                make_layer(
                     self.quant_config.for_layer(i, num_layers),
                     sliding_window=kwargs.get("sliding_window"),
                     static_scales=static,

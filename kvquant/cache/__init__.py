@@ -1,0 +1,22 @@
+"""The quantized cache: :class:`KVQuantCache` and the layers and tiers it is made of.
+
+- :mod:`kvquant.cache.kv_cache`: ``KVQuantCache`` (a ``transformers.Cache``)
+- :mod:`kvquant.cache.layer`: ``QuantizedKVLayer`` / ``SlidingKVLayer``, a pipeline of tiers
+- :mod:`kvquant.cache.segments`: the tiers (sinks, main store, recent window, tail)
+- :mod:`kvquant.cache.store`: ``TokenStore``, the buffers a kernel reads in place
+- :mod:`kvquant.cache.view`: ``KVView``, what the ``kvquant`` attention receives
+"""
+
+from kvquant.cache.kv_cache import KVQuantCache, load_static_scales
+from kvquant.cache.layer import QuantizedKVLayer, SlidingKVLayer, make_layer
+from kvquant.cache.view import KVView, QuantizedRead
+
+__all__ = [
+    "KVQuantCache",
+    "KVView",
+    "QuantizedKVLayer",
+    "QuantizedRead",
+    "SlidingKVLayer",
+    "load_static_scales",
+    "make_layer",
+]

@@ -1,0 +1,435 @@
+"""``QuantizedKVLayer``: one layer of a :class:`~kvquant.KVQuantCache`, a pipeline of tiers.
+
+Tiers, oldest to newest (:mod:`kvquant.cache.segments`): the main quantized store, the recent
+window (``recent_length`` > 0: finer formats), the full-precision tail (``residual_length``), and
+each row's first ``sink_tokens`` real tokens in full precision beside them. The layer only moves
+tokens: new ones enter the tail; what ages out of it is put through the key transform
+(:mod:`kvquant.transforms`, fitted on the first tokens that leave) and pushed into the recent window,
+whose overflow goes on to the main store. ``SlidingKVLayer`` also evicts positions no later query
+can see.
+
+``update`` returns, for any attention implementation, the dequantized history of the positions
+cached *before* the call followed by the call's own fresh full-precision keys / values; under the
+``kvquant`` attention it returns a :class:`~kvquant.cache.view.KVView` of the tiers instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvquant.cache.segments import QuantizedSegment, SinkSegment, TailSegment
+from kvquant.cache.store import TokenStore
+from kvquant.cache.view import KVView, QuantizedRead
+from kvquant.config import KVQuantConfig
+from kvquant.transforms import KeyTransform
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """Quantized cache layer of a full-attention layer (see the module docstring).
+
+    Args:
+        config: this layer's resolved :class:`KVQuantConfig` (no ``layer_overrides``).
+        static_scales: optional ``(key_scale[H_kv], value_scale[H_kv])``.
+        initial_capacity: tokens the main store is first allocated for (it grows by doubling).
+
+    Example:
+        >>> layer = QuantizedKVLayer(KVQuantConfig.resolve("int4"))
+        >>> k = v = torch.randn(1, 2, 40, 64)                    # [B, H_kv, T, D]
+        >>> hist_k, hist_v = layer.update(k, v)                 # the call's own tokens come back
+        >>> layer.get_seq_length(), layer.store_end             # 40 seen, 24 quantized (16 in the tail)
+        (40, 24)
+    """
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+    sliding_window: int | None = None
+
+    def __init__(
+        self,
+        config: KVQuantConfig,
+        static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        initial_capacity: int = 256,
+    ):
+        super().__init__()
+        self.config = config
+        self.static_scales = static_scales
+        self.initial_capacity = max(1, initial_capacity)
+        self.record_past = False
+        self.return_view = False  # set by KVQuantCache when the model runs the `kvquant` attention
+        self.block = config.key_group_size if config.key_axis == "channel" else 1
+        self._clear()
+
+    # ------------------------------------------------------------------------------------ state
+
+    def _clear(self) -> None:
+        cfg = self.config
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.seq_len = 0  # positions seen (what get_seq_length reports)
+        self.main: QuantizedSegment | None = None
+        self.recent: QuantizedSegment | None = None
+        self.tail = TailSegment(cfg.residual_length, self.block)
+        self.sinks = SinkSegment(cfg.sink_tokens) if cfg.sink_tokens else None
+        self.transform = KeyTransform(cfg.rotation, cfg.smoothing, cfg.torch_scale_dtype)
+        self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
+        self.pads_max = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        cfg = self.config
+        self.device, self.dtype, self.head_dim = key_states.device, key_states.dtype, d
+        kg, vg = cfg.group_sizes(d)
+        sdt = cfg.torch_scale_dtype
+        sk, sv = self.static_scales if self.static_scales is not None else (None, None)
+        self.main = QuantizedSegment(
+            TokenStore(cfg.key_format, kg, cfg.key_axis, sdt, sk), TokenStore(cfg.value_format, vg, "token", sdt, sv)
+        )
+        self.main.allocate(b, h, d, self.initial_capacity, self.dtype, self.device)
+        if cfg.recent_length:
+            self.recent = QuantizedSegment(
+                TokenStore(cfg.recent_key_format, kg, "token", sdt),
+                TokenStore(cfg.recent_value_format, vg, "token", sdt),
+                limit=cfg.recent_length,
+            )
+            self.recent.allocate(b, h, d, cfg.recent_length + 1, self.dtype, self.device)
+        self.tail.allocate(key_states, value_states)
+        if self.sinks is not None:
+            self.sinks.allocate(key_states, value_states)
+        self.pads = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.pads_max = 0
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        self._clear()
+
+    @property
+    def tiers(self) -> list[QuantizedSegment]:
+        """The quantized tiers, oldest first (main store, then the recent window if any)."""
+        return [s for s in (self.main, self.recent) if s is not None]
+
+    @property
+    def store_end(self) -> int:
+        """End of the quantized positions (the tail holds ``[store_end, seq_len)``)."""
+        return self.tail.begin
+
+    @property
+    def store_begin(self) -> int:
+        """First quantized position still held."""
+        return next((s.begin for s in self.tiers if len(s)), self.store_end)
+
+    # ------------------------------------------------------------------------------------ sizes
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def history_begin(self) -> int:
+        """First position the next forward call attends to."""
+        return self.store_begin
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.pads is None else self.pads.shape[0]
+
+    # ------------------------------------------------------------------------------------ update
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new tokens; return ``(history ++ new)`` keys and values ``[B, H, n, D]``.
+
+        With ``return_view`` set (the model runs the ``kvquant`` attention) both return values are
+        one :class:`~kvquant.cache.view.KVView` of the tiers instead: nothing is dequantized here.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        model_kwargs = kwargs.get("kwargs") or {}
+        position_ids = model_kwargs.get("position_ids")
+        if self.return_view:
+            view = self.view(key_states, value_states)
+            self.append(key_states, value_states, position_ids)
+            return view, view
+        hist_k, hist_v = self.read_history()
+        self.append(key_states, value_states, position_ids)
+        if hist_k.shape[2] == 0:
+            return key_states, value_states
+        return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
+        """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail."""
+        k, v = k.detach(), v.detach()  # the store holds data, never an autograd graph
+        if self.seq_len == 0:
+            self._set_pads(position_ids, k.shape[2])
+        if self.sinks is not None:
+            self.sinks.capture(k, v, self.seq_len, self.pads, self.pads_max)
+        t0 = self.store_end
+        out = self.tail.push(k, v)
+        if out is not None:
+            if self.transform.needs_fit:
+                self.transform.fit(out[0], self._own_tokens(t0, out[0].shape[2]))
+            out = self.transform.apply(*out)
+            for tier in reversed(self.tiers):  # newest tier first; each passes on what ages out
+                out = tier.push(*out)
+                if out is None:
+                    break
+        self.seq_len += k.shape[2]
+        self._after_append()
+
+    def _after_append(self) -> None:
+        """Hook for subclasses (a sliding layer evicts here)."""
+
+    def _own_tokens(self, t0: int, n: int) -> torch.Tensor:
+        """``[B, 1, n, 1]``: 1 where positions ``[t0, t0 + n)`` are a row's own tokens (not padding,
+        not sinks): the smoothing statistics are fitted on those."""
+        pos = torch.arange(t0, t0 + n, device=self.device)
+        first = self.pads + self.config.sink_tokens  # [B]
+        return (pos[None, :] >= first[:, None]).float()[:, None, :, None]
+
+    def _set_pads(self, position_ids: torch.Tensor | None, n: int) -> None:
+        """Left padding per row from the prompt's position ids (last position + 1 = real tokens)."""
+        b = self.pads.shape[0]
+        if position_ids is not None and position_ids.dim() == 3:
+            position_ids = position_ids[0]
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape != (b, n):
+            self.pads.zero_()
+            self.pads_max = 0
+            return
+        last = position_ids[:, -1].to(self.pads.device)
+        self.pads = (n - 1 - last).clamp(0, n)
+        self.pads_max = int(self.pads.max()) if b else 0
+
+    # ------------------------------------------------------------------------------------ reads
+
+    def _sinks_back(
+        self, k: torch.Tensor, v: torch.Tensor, p0: int, sinks: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put the sink values (default: the ones held now) over their slots in ``k, v [B, H, n, D]``
+        holding positions ``[p0, p0 + n)``."""
+        s = self.sinks
+        if sinks is None and (s is None or not s.held):
+            return k, v
+        sk, sv = (s.k, s.v) if sinks is None else sinks
+        return s.apply(k, p0, sk, self.pads, self.pads_max), s.apply(v, p0, sv, self.pads, self.pads_max)
+
+    def read(self, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V ``[B, H, p1 - p0, D]`` of stored positions ``[p0, p1)`` (transform undone,
+        sinks put back)."""
+        kdt = torch.float32 if self.transform.stats is not None else self.dtype
+        parts, lo = [], p0
+        for tier in self.tiers:  # each holds the positions up to its end
+            hi = min(p1, tier.end)
+            if hi > lo:
+                parts.append(tier.read(lo, hi, kdt, self.dtype))
+                lo = hi
+        if not parts:
+            parts.append(self.main.read(p0, p0, kdt, self.dtype))
+        k = torch.cat([p[0] for p in parts], 2) if len(parts) > 1 else parts[0][0]
+        v = torch.cat([p[1] for p in parts], 2) if len(parts) > 1 else parts[0][1]
+        k, v = self.transform.undo(k, v)
+        return self._sinks_back(k.to(self.dtype), v, p0)
+
+    def read_history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[B, H, n, D]`` of every position the next call attends to (before its own tokens)."""
+        begin = self.history_begin()
+        tail_k, tail_v = self.tail.read(begin)
+        if begin >= self.store_end:  # a copy: the tail buffer is shifted in place by the next append
+            return tail_k.clone(), tail_v.clone()
+        k, v = self.read(begin, self.store_end)
+        return torch.cat([k, tail_k], dim=2), torch.cat([v, tail_v], dim=2)
+
+    def view(self, k: torch.Tensor, v: torch.Tensor) -> KVView:
+        """A :class:`~kvquant.cache.view.KVView` of the history before ``k, v`` are appended."""
+        begin, store_end = self.history_begin(), self.store_end
+        sinks = self.sinks is not None and self.sinks.held
+        first = self.pads + (self.sinks.n if sinks else 0)  # [B] first position neither padding nor sink
+        reads, lo = [], begin
+        for tier in self.tiers:
+            p0, p1 = max(lo, tier.begin), tier.end
+            if p1 > p0:
+                start = torch.clamp(first, min=p0) - tier.origin  # [B]
+                reads.append(QuantizedRead(*tier.operands(), p0, p1, tier.origin, start))
+            lo = max(lo, p1)
+        tail_k, tail_v = (t.clone() for t in self.tail.read(begin))
+        dense_k, dense_v, valid = [tail_k], [tail_v], []
+        with_sinks = sinks and begin < store_end
+        if with_sinks:
+            sk, sv, sink_valid = self.sinks.dense(begin, store_end, self.pads)
+            dense_k.insert(0, sk)
+            dense_v.insert(0, sv)
+            valid.append(sink_valid)
+        tail_pos = torch.arange(max(begin, store_end), self.seq_len, device=self.device)
+        valid.append(tail_pos[None, :] >= self.pads[:, None])
+        all_valid = self.pads_max == 0 and begin == 0 and (not with_sinks or self.sinks.n <= store_end)
+        return KVView(
+            new_k=k,
+            new_v=v,
+            seq_before=self.seq_len,
+            hist_begin=begin,
+            reads=reads,
+            dense_k=torch.cat(dense_k, 2) if len(dense_k) > 1 else tail_k,
+            dense_v=torch.cat(dense_v, 2) if len(dense_v) > 1 else tail_v,
+            dense_valid=None if all_valid else torch.cat(valid, 1),
+            tail_k=tail_k,
+            tail_v=tail_v,
+            transform=self.transform,
+            # the sinks as they are now: a sliding layer may drop them in this call's append
+            sinks_back=functools.partial(self._sinks_back, sinks=(self.sinks.k, self.sinks.v) if sinks else None),
+        )
+
+    # ------------------------------------------------------------------------------------ generate hooks
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def _check_crop(self, new_len: int) -> None:
+        """Hook: refuse a crop the layer cannot honour (a sliding layer that dropped the positions)."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (transformers passes a count <= 0).
+
+        Positions still in the tail are simply forgotten; stored ones too, except that on the channel
+        axis the kept part of a partial block is dequantized back into the tail (its block scale
+        covered tokens that are now gone).
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"tokens_to_remove: crop takes a count <= 0 of tokens to remove, got {tokens_to_remove}"
+            )
+        if not self.is_initialized:
+            return
+        new_len = max(self.seq_len + tokens_to_remove, 0)
+        self._check_crop(new_len)
+        if new_len >= self.store_end:
+            self.tail.crop(new_len)
+        else:
+            origin = self.main.origin
+            aligned = max(origin + (new_len - origin) // self.block * self.block, self.store_begin)
+            k, v = self.read(aligned, new_len)
+            for tier in self.tiers:
+                tier.crop(aligned)
+            self.tail.reset(aligned, k, v)
+        self.seq_len = new_len
+        self._after_crop()
+
+    def _after_crop(self) -> None:
+        """Hook for subclasses (a sliding layer evicts here)."""
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for part in (*self.tiers, self.tail, self.transform):
+            part.map_batch(fn)
+        if self.sinks is not None:
+            self.sinks.map_batch(fn)
+        self.pads = fn(self.pads)
+        self.pads_max = int(self.pads.max()) if self.pads.numel() else 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder rows of codes, scales, tail and sinks (no dequantize / requantize)."""
+        if self.is_initialized:
+            idx = beam_idx.to(self.device)
+            self._map_batch(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self):  # the store's buffers are not the `keys` / `values` attributes
+        return None
+
+    def prefetch(self):
+        return None
+
+    # ------------------------------------------------------------------------------------ memory
+
+    def held_tokens(self) -> int:
+        """Positions this layer holds data for (quantized tiers + tail)."""
+        if not self.is_initialized:
+            return 0
+        return self.store_end - self.store_begin + len(self.tail)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the valid tokens, by part: ``store`` (codes, scales, zero points, smoothing
+        statistics), ``tail``, ``sink``."""
+        if not self.is_initialized:
+            return {"store": 0, "tail": 0, "sink": 0}
+        store = sum(t.nbytes() for t in self.tiers) + self.transform.nbytes()
+        sink = 0 if self.sinks is None else self.sinks.nbytes(self.seq_len, self.pads, self.pads_max)
+        return {"store": store, "tail": self.tail.nbytes(), "sink": sink}
+
+    def reserved_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        parts = [*self.tiers, self.tail] + ([self.sinks] if self.sinks is not None else [])
+        return sum(p.reserved_bytes() for p in parts) + self.transform.nbytes()
+
+    def fp16_bytes(self) -> int:
+        """Bytes an fp16 cache would hold for the same positions (K and V)."""
+        if not self.is_initialized:
+            return 0
+        b, h, _, d = self.tail.k.shape
+        return self.held_tokens() * b * h * d * 2 * 2
+
+
+class SlidingKVLayer(QuantizedKVLayer):
+    """A sliding-window (or chunked) layer: drops positions no later query can see (sinks
+    included), unless transformers asked it to record the past for a later ``crop``.
+
+    Args:
+        sliding_window: the window, in tokens; the rest as :class:`QuantizedKVLayer`.
+    """
+
+    is_sliding = True
+
+    def __init__(self, config: KVQuantConfig, sliding_window: int, **kwargs):
+        self.sliding_window = sliding_window
+        super().__init__(config, **kwargs)
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = max(self.seq_len - self.sliding_window + 1, 0)
+        return min(self.seq_len, self.sliding_window - 1) + query_length, kv_offset
+
+    def history_begin(self) -> int:
+        return max(self.seq_len - (self.sliding_window - 1), 0)
+
+    def _evict(self) -> None:
+        keep_from = self.history_begin()
+        for tier in self.tiers:
+            tier.evict_before(keep_from)
+        if self.sinks is not None and self.sinks.held and keep_from >= self.pads_max + self.sinks.n:
+            self.sinks.drop()  # every sink token has left the window
+
+    def _after_append(self) -> None:
+        if not self.record_past:
+            self._evict()
+
+    def _check_crop(self, new_len: int) -> None:
+        if new_len < self.seq_len and max(new_len - (self.sliding_window - 1), 0) < self.store_begin:
+            raise RuntimeError(
+                "crop: this sliding-window layer no longer holds the positions needed after the crop; "
+                "call activate_past_recording() before generating if you need to roll back"
+            )
+
+    def _after_crop(self) -> None:
+        self._evict()
+
+
+def make_layer(
+    config: KVQuantConfig, sliding_window: int | None = None, **kwargs
+) -> QuantizedKVLayer | SlidingKVLayer:
+    """The layer for one model layer: sliding when ``sliding_window`` is set."""
+    if sliding_window is None:
+        return QuantizedKVLayer(config, **kwargs)
+    return SlidingKVLayer(config, sliding_window, **kwargs)

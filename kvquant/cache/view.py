@@ -1,0 +1,98 @@
+"""What a layer hands the ``kvquant`` attention instead of dequantized tensors: its tiers as operands.
+
+:class:`KVView` lists, for the positions the call attends to before its own tokens, the quantized
+tiers as :class:`QuantizedRead` (codes and scales read in place by the decode op) and the
+full-precision tokens (sinks, tail) as one dense block, plus the key transform they were stored
+with. Nothing in it changes when the layer appends the call's tokens afterwards: quantized tiers
+only add rows past a read's end or move into new buffers, and the dense block is a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvquant.cache.store import Operand
+from kvquant.transforms import KeyTransform
+
+
+@dataclass(frozen=True)
+class QuantizedRead:
+    """Positions ``[p0, p1)`` of one quantized tier; buffer index = position - ``origin``.
+
+    ``start [B]`` (int64): each row's first buffer index to attend (its padding and sink slots
+    skipped); ``end``: the buffer index past the last.
+    """
+
+    k: Operand
+    v: Operand
+    p0: int
+    p1: int
+    origin: int
+    start: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.p1 - self.origin
+
+    def dequantized(self, k_dtype: torch.dtype, v_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, H, p1 - p0, D]`` in the stored (transformed) space."""
+        i0, i1 = self.p0 - self.origin, self.p1 - self.origin
+        return self.k.read(i0, i1, k_dtype), self.v.read(i0, i1, v_dtype)
+
+
+@dataclass
+class KVView:
+    """The history a call attends to, as tiers, and the call's own tokens.
+
+    ``new_k / new_v [B, H, q, D]``: the call's full-precision tokens. ``reads``: the quantized
+    tiers, oldest first. ``dense_k / dense_v [B, H, n, D]``: the full-precision history tokens
+    (sinks, then the tail), ``dense_valid [B, n]`` (False: padding, or a sink outside the visible
+    history; None: all count). ``sinks_back(x, p0)``: puts the sink values over their slots in
+    dequantized positions ``[p0, p0 + n)``.
+    """
+
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    seq_before: int
+    hist_begin: int
+    reads: list[QuantizedRead]
+    dense_k: torch.Tensor
+    dense_v: torch.Tensor
+    dense_valid: torch.Tensor | None
+    tail_k: torch.Tensor  # [B, H, t, D]: the tail part of dense_k (for the dequantized history)
+    tail_v: torch.Tensor
+    transform: KeyTransform
+    sinks_back: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def shape(self) -> torch.Size:
+        b, h, q, d = self.new_k.shape
+        return torch.Size((b, h, self.seq_before - self.hist_begin + q, d))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.new_k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.new_k.device
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The history (dequantized where stored) followed by the call's tokens: ``[B, H, n, D]``."""
+        dtype = self.new_k.dtype
+        parts_k, parts_v = [], []
+        if self.reads:
+            kdt = torch.float32 if self.transform.stats is not None else dtype
+            stored = [r.dequantized(kdt, dtype) for r in self.reads]
+            k = torch.cat([s[0] for s in stored], 2)
+            v = torch.cat([s[1] for s in stored], 2)
+            k, v = self.transform.undo(k, v)
+            k, v = self.sinks_back(k.to(dtype), v.to(dtype), self.reads[0].p0)
+            parts_k.append(k)
+            parts_v.append(v)
+        parts_k += [self.tail_k, self.new_k]
+        parts_v += [self.tail_v, self.new_v]
+        return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)

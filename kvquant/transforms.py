@@ -1,0 +1,188 @@
+"""The key transform: per-head Hadamard rotation and channel smoothing as one object.
+
+Stored keys are ``R (k - mean) / std`` and stored values ``R v`` (``R`` the normalized Walsh-Hadamard
+matrix, symmetric and orthogonal; ``mean`` / ``std`` per (row, head, channel), fitted on the first
+tokens quantized, padding and sinks excluded). Attention over the stored operands stays exact:
+
+- the query is folded: ``q' = R (q * std)``, so ``q' . k' = q . (k - mean)``;
+- every score (stored or full precision, once those go through :meth:`KeyTransform.apply` too) is
+  short by the same ``q . mean``: the softmax is unchanged and :meth:`KeyTransform.shift_lse` adds
+  ``scaling * q . mean`` back to the log-sum-exp (exact without softcap);
+- the output is in the rotated value space: :meth:`KeyTransform.undo_output` rotates it back.
+
+Used by the cache layer (apply / undo), the ``kvquant`` attention (fold / shift / undo) and
+``kvquant calibrate`` (static scales are measured on the keys as they are stored).
+
+Example:
+    >>> t = KeyTransform("hadamard", "mean", torch.float16)
+    >>> k, v = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+    >>> t.fit(k)
+    >>> ks, vs = t.apply(k, v)
+    >>> torch.allclose(t.undo(ks, vs)[0], k, atol=1e-3)
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from kvquant.formats import round_to_dtype
+
+ROTATIONS = ("none", "hadamard")
+SMOOTHINGS = ("none", "mean", "channel")
+# at or above this many head vectors a rotation runs as the fast Walsh-Hadamard transform (log2(D)
+# passes over the data); below it, one product with the cached matrix costs fewer kernel launches
+FWHT_MIN_ROWS = 4096
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.lru_cache(maxsize=32)
+def hadamard_matrix(d: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """The normalized ``[D, D]`` Walsh-Hadamard matrix (orthogonal, symmetric), cached per device
+    and dtype (built once, never copied per call)."""
+    if not is_power_of_two(d):
+        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(device=device, dtype=dtype)  # [D, D]
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Normalized fast Walsh-Hadamard transform of fp32 ``x[..., D]`` (``D`` a power of two):
+    ``x @ hadamard_matrix(D)`` in ``log2(D)`` butterfly passes."""
+    d = x.shape[-1]
+    if not is_power_of_two(d):
+        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)  # [N, D/2h, 2, h]: the butterfly pairs of this pass
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return (y * (1.0 / math.sqrt(d))).view(x.shape)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x[..., D] @ R`` in fp32 (returned in ``x``'s dtype); its own inverse (``R^-1 = R``)."""
+    xf = x.float()
+    if xf.numel() // x.shape[-1] >= FWHT_MIN_ROWS and not x.is_meta:
+        return fwht(xf).to(x.dtype)
+    return (xf @ hadamard_matrix(x.shape[-1], x.device)).to(x.dtype)
+
+
+unrotate = rotate
+
+
+class KeyTransform:
+    """Rotation and smoothing of one layer's stored keys (values: rotation only).
+
+    Args:
+        rotation: ``none`` or ``hadamard``.
+        smoothing: ``none``, ``mean`` (subtract each channel's mean) or ``channel`` (and divide by
+            its standard deviation).
+        scale_dtype: dtype the statistics are kept in (the store's scale dtype).
+
+    ``stats`` is ``(mean[B, H, 1, D], std[B, H, 1, D] | None)`` once fitted (None before).
+    """
+
+    def __init__(self, rotation: str = "none", smoothing: str = "none", scale_dtype=torch.float16):
+        if rotation not in ROTATIONS:
+            raise ValueError(f"rotation: unknown {rotation!r}; allowed: {', '.join(ROTATIONS)}")
+        if smoothing not in SMOOTHINGS:
+            raise ValueError(f"smoothing: unknown {smoothing!r}; allowed: {', '.join(SMOOTHINGS)}")
+        self.rotated = rotation == "hadamard"
+        self.smoothing = smoothing
+        self.scale_dtype = scale_dtype
+        self.stats: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        return not self.rotated and self.smoothing == "none"
+
+    @property
+    def needs_fit(self) -> bool:
+        return self.smoothing != "none" and self.stats is None
+
+    # ------------------------------------------------------------------------------------ fitting
+
+    def fit(self, k: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Fix the smoothing statistics from keys ``k[B, H, n, D]``; ``weight[B, 1, n, 1]`` (0 / 1)
+        excludes tokens (padding, sinks). A row with no token of its own gets mean 0, std 1."""
+        if self.smoothing == "none":
+            return
+        x = k.float()
+        w = torch.ones_like(x[:, :1, :, :1]) if weight is None else weight.float()
+        count = w.sum(2, keepdim=True)  # [B, 1, 1, 1]
+        mean = (x * w).sum(2, keepdim=True) / count.clamp_min(1)  # [B, H, 1, D]
+        sdt = self.scale_dtype
+        if self.smoothing != "channel":
+            self.stats = (mean.to(sdt), None)
+            return
+        std = ((((x - mean) ** 2) * w).sum(2, keepdim=True) / count.clamp_min(1)).sqrt()
+        floor = std.mean(-1, keepdim=True) * 1e-2 + torch.finfo(sdt).tiny  # no channel collapses
+        std = torch.where(count > 1, torch.maximum(std, floor), torch.ones_like(std))
+        self.stats = (mean.to(sdt), round_to_dtype(std, sdt, +1))
+
+    # ------------------------------------------------------------------------------------ stored space
+
+    def apply(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v [B, H, n, D]`` -> the stored space (keys fp32 once smoothed)."""
+        if self.stats is not None:
+            mean, std = self.stats
+            k = k.float() - mean.float()
+            if std is not None:
+                k = k / std.float()
+        if self.rotated:
+            k, v = rotate(k), rotate(v)
+        return k, v
+
+    def undo(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`apply` (keys come back fp32 where smoothed)."""
+        if self.rotated:
+            k, v = unrotate(k), unrotate(v)
+        if self.stats is not None:
+            mean, std = self.stats
+            k = k.float()
+            if std is not None:
+                k = k * std.float()
+            k = k + mean.float()
+        return k, v
+
+    # ------------------------------------------------------------------------------------ attention
+
+    def _per_query_head(self, t: torch.Tensor, hq: int) -> torch.Tensor:  # [B, Hkv, 1, D] -> [B, Hq, D]
+        return t[:, :, 0].float().repeat_interleave(hq // t.shape[1], dim=1)
+
+    def fold_query(self, q: torch.Tensor) -> torch.Tensor:
+        """``q[B, Hq, D]`` -> the query that scores stored keys: ``R (q * std)``."""
+        if self.stats is not None and self.stats[1] is not None:
+            q = q.float() * self._per_query_head(self.stats[1], q.shape[1])
+        return rotate(q) if self.rotated else q
+
+    def undo_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, Hq, D]`` over stored values -> the model's value space."""
+        return unrotate(out) if self.rotated else out
+
+    def shift_lse(self, lse: torch.Tensor, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``lse[B, Hq]`` of scores ``q . (k - mean)`` -> of ``q . k`` (``q[B, Hq, D]`` unfolded)."""
+        if self.stats is None:
+            return lse
+        return lse + scaling * (q.float() * self._per_query_head(self.stats[0], q.shape[1])).sum(-1)
+
+    # ------------------------------------------------------------------------------------ batch / bytes
+
+    def map_batch(self, fn) -> None:
+        if self.stats is not None:
+            self.stats = tuple(None if t is None else fn(t) for t in self.stats)
+
+    def nbytes(self) -> int:
+        if self.stats is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.stats if t is not None)
