@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.cli import main
 from kvquant.config import preset_names
 from kvquant.memory import model_cache_bytes
 from kvquant.models import tiny_config, tiny_model
-from kvquant.plan import (
+from kvquant.tools.cli import main
+from kvquant.tools.plan import (
     PlanError,
     _KVModel,
     estimate_parameters,
