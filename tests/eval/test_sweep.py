@@ -220,7 +220,7 @@ def test_plots_exist_and_their_data_matches_the_table(swept):
 
 def test_capacity_is_the_planners(swept, tiny):
     from kvquant.config import KVQuantConfig
-    from kvquant.tools.plan import plan
+    from kvquant.planning import plan
 
     rows = plan(
         tiny.config, "1GiB", 128, presets=[KVQuantConfig.resolve("int8"), KVQuantConfig.resolve("int4")]

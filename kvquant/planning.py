@@ -1,0 +1,391 @@
+"""Capacity planner: from a model config alone, how many sequences of what length fit in memory.
+
+For every cache preset (and the full-precision reference) :func:`plan` gives the KV bytes one
+sequence holds at a context (exactly what :meth:`KVQuantCache.nbytes` reports: sink and residual
+tokens, sliding windows, partial KIVI blocks and per-layer overrides included, via
+:func:`kvquant.memory.layer_bytes`), the max batch at that context and the max context at a given
+batch, after the weights (parameter count estimated from the config) and an activation reserve.
+
+A sequence passes through every shorter context on its way, and the bytes are not monotone in the
+context (a KIVI block that fills is quantized and shrinks; sinks leave a sliding window), so the
+capacity figures use the *peak* bytes over all contexts up to the one asked for.
+
+The arithmetic lives here, below the harness (``kvquant sweep`` reads capacities from it) and the
+tools; the ``kvquant plan`` command and its table are :mod:`kvquant.tools.plan`.
+
+Example:
+    >>> from kvquant.models import tiny_config
+    >>> from kvquant.planning import plan
+    >>> rows = plan(tiny_config("llama"), memory_bytes=2**30, context=256, presets=["int4"])
+    >>> rows[0]["config"], rows[-1]["config"]
+    ('int4', 'reference')
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from kvquant.config import KVQuantConfig, preset_names
+from kvquant.memory import layer_bytes
+
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "int8": 1,
+    "int4": 0.5,
+}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+DEFAULT_RESERVE = "10%"
+
+
+class PlanError(ValueError):
+    """Bad planner input; the message names the flag / argument."""
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+def parse_size(text: str | int | float, flag: str = "size") -> int:
+    """``"80GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5e9"`` or plain bytes -> bytes (int)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise PlanError(f"{flag}: expected a size >= 0, got {text!r}")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PlanError(f"{flag}: cannot parse size {text!r} (examples: 80GiB, 80GB, 512MiB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_reserve(text: str | int | float, memory_bytes: int, flag: str = "reserve") -> int:
+    """``"10%"`` of ``memory_bytes``, or an absolute size (``"4GiB"``)."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        try:
+            pct = float(text.strip()[:-1])
+        except ValueError:
+            raise PlanError(f"{flag}: cannot parse percentage {text!r} (e.g. 10%)") from None
+        if not 0 <= pct < 100:
+            raise PlanError(f"{flag}: percentage must be in [0, 100), got {text!r}")
+        return int(memory_bytes * pct / 100)
+    return parse_size(text, flag)
+
+
+def dtype_bytes(dtype: str | int | float, flag: str = "dtype") -> float:
+    """Bytes per element of a dtype name (``bf16``, ``fp32``, ``int4`` ...) or a number of bytes."""
+    if isinstance(dtype, (int, float)) and not isinstance(dtype, bool):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        raise PlanError(f"{flag}: unknown dtype {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+def load_config(model: str | os.PathLike[str] | None) -> Any:
+    """A model config without weights: ``default`` (embedded SmolLM2), a config.json, a folder, or an HF id."""
+    from transformers import AutoConfig
+
+    from kvquant.models import EMBEDDED_ALIASES, embedded_cache_dir, ensure_embedded_copy
+
+    name = "default" if model is None else os.fspath(model)
+    if name.lower() in EMBEDDED_ALIASES:
+        folder = embedded_cache_dir()
+        if not (folder / "config.json").is_file():
+            folder = ensure_embedded_copy()  # one-time conversion of the embedded GGUF
+        return AutoConfig.from_pretrained(str(folder))
+    path = Path(name).expanduser()
+    if path.is_file() or path.is_dir():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise PlanError(f"model: folder {name!r} has no config.json")
+        try:
+            return AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"model: cannot read a model config from {name!r}: {exc}") from None
+    if name.startswith(("/", ".", "~")) or name.endswith(".json") or name.count("/") > 1:
+        raise PlanError(f"model: no such config file or folder {name!r}")
+    try:
+        try:
+            return AutoConfig.from_pretrained(name, local_files_only=True)
+        except OSError:
+            return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"model: cannot resolve {name!r} to a model config: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+def _head_dim(text: Any) -> int:
+    hd = getattr(text, "head_dim", None)
+    return hd if hd else text.hidden_size // text.num_attention_heads
+
+
+def estimate_parameters(config: Any) -> int:
+    """Parameter count of a decoder from its config: embedding, attention, MLP, norms, lm_head.
+
+    Exact for llama / mistral / qwen2 / gemma2 / gemma3-style decoders; an estimate for others (MoE
+    experts are counted as ``num_experts`` MLPs plus a router; vision towers are not counted).
+    """
+    text = config.get_text_config(decoder=True)
+    h, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hd = _head_dim(text)
+    mtype = getattr(text, "model_type", "")
+    attn = h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h
+    if getattr(text, "attention_bias", False):
+        attn += heads * hd + 2 * kv_heads * hd + h
+    elif mtype.startswith("qwen2"):  # q/k/v biases, none on o_proj
+        attn += heads * hd + 2 * kv_heads * hd
+    if mtype.startswith(("gemma3", "qwen3", "olmo2")):  # q / k norms
+        attn += 2 * hd
+    inter = text.intermediate_size
+    mlp = 3 * h * inter  # gate, up, down
+    if getattr(text, "mlp_bias", False):
+        mlp += 2 * inter + h
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    if experts:
+        moe_inter = getattr(text, "moe_intermediate_size", None) or inter
+        mlp = experts * 3 * h * moe_inter + h * experts
+    norms = (4 if mtype.startswith(("gemma2", "gemma3")) else 2) * h
+    total = vocab * h + layers * (attn + mlp + norms) + h  # + final norm
+    if not getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", True)):
+        total += vocab * h
+    return int(total)
+
+
+# ------------------------------------------------------------------------------------------ KV bytes
+
+
+class _KVModel:
+    """Per-layer geometry of a decoder's cache, grouped into identical (layer config, window) groups."""
+
+    def __init__(self, config: Any, quant: KVQuantConfig, fp_itemsize: int):
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        text = config.get_text_config(decoder=True)
+        types, kwargs = get_layer_types_and_kwargs(text)
+        self.heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = _head_dim(text)
+        self.fp_itemsize = fp_itemsize
+        n = len(types)
+        groups: dict[tuple, list] = {}
+        for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
+            if kind == "dummy":
+                continue
+            cfg, window = quant.for_layer(i, n), kw.get("sliding_window")
+            groups.setdefault((repr(cfg), window), [cfg, window, 0])[2] += 1
+        self.groups = [tuple(g) for g in groups.values()]
+
+    def bytes(self, tokens: int, batch: int = 1) -> int:
+        """Exact bytes of a KVQuantCache after ``tokens`` positions (== ``model_cache_bytes``)."""
+        return sum(
+            count
+            * layer_bytes(cfg, tokens, batch, self.heads, self.head_dim, self.fp_itemsize, window)["total"]
+            for cfg, window, count in self.groups
+        )
+
+    def held_elements(self, tokens: int, batch: int = 1) -> int:
+        """K + V elements of the positions held (what ``fp16_bytes`` counts), for effective bits."""
+        total = 0
+        for cfg, window, count in self.groups:
+            block = cfg.key_group_size if cfg.key_axis == "channel" else 1
+            store_end = max(tokens - cfg.residual_length, 0) // block * block
+            begin = 0 if window is None else min(max(tokens - (window - 1), 0), store_end)
+            held = store_end - begin + tokens - store_end
+            total += count * held * batch * self.heads * self.head_dim * 2
+        return total
+
+    def drop_points(self, limit: int) -> list[int]:
+        """Contexts ``t <= limit`` where the bytes may fall below those at ``t - 1``.
+
+        Between them the bytes never decrease: quantized blocks fill (KIVI: every ``block`` tokens
+        past the residual), window starts cross a block, sinks leave a sliding window.
+        """
+        points: set[int] = set()
+        for cfg, window, _ in self.groups:
+            block = cfg.key_group_size if cfg.key_axis == "channel" else 1
+            starts = [cfg.residual_length]
+            if window is not None:
+                starts.append(window - 1)
+                if cfg.sink_tokens:
+                    points.add(window - 1 + cfg.sink_tokens)
+            if block > 1:
+                for s in starts:
+                    points.update(range(s + block, limit + 1, block))
+        return sorted(p for p in points if 1 <= p <= limit)
+
+
+class _Peak:
+    """Peak bytes over all contexts ``<= t`` at a fixed batch, for a monotone search."""
+
+    def __init__(self, kv: _KVModel, batch: int, limit: int):
+        self.kv, self.batch = kv, batch
+        self.points = kv.drop_points(limit)
+        running, self.before = 0, []
+        for p in self.points:
+            running = max(running, kv.bytes(p - 1, batch))
+            self.before.append(running)
+
+    def __call__(self, t: int) -> int:
+        i = bisect.bisect_right(self.points, t)
+        earlier = self.before[i - 1] if i else 0
+        return max(self.kv.bytes(t, self.batch), earlier)
+
+
+def max_context(kv: _KVModel, available: int, batch: int, limit: int) -> int:
+    """Largest ``t <= limit`` whose peak bytes (over all contexts up to ``t``) fit in ``available``."""
+    peak = _Peak(kv, batch, limit)
+    if peak(limit) <= available:
+        return limit
+    lo, hi = 0, limit  # peak(lo) fits (peak(0) == 0), peak(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak(mid) <= available:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def max_batch(kv: _KVModel, available: int, context: int) -> int:
+    """Largest batch whose peak bytes up to ``context`` fit in ``available`` (bytes scale with batch)."""
+    one = _Peak(kv, 1, context)(context)
+    if one == 0:
+        return -1  # unbounded (nothing cached)
+    b = max(available // one, 0)
+    # bytes are b x (one sequence), plus a per-layer constant with static scales: step down if needed
+    while b and _Peak(kv, b, context)(context) > available:
+        b -= 1
+    return int(b)
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+def budget(
+    config: Any,
+    memory_bytes: int,
+    weights_dtype: str | float = "bf16",
+    reserve: str | int = DEFAULT_RESERVE,
+) -> dict[str, Any]:
+    """Weights, reserve and what remains for the KV cache."""
+    memory_bytes = parse_size(memory_bytes, "memory")
+    params = estimate_parameters(config)
+    wbytes = int(math.ceil(params * dtype_bytes(weights_dtype, "weights_dtype")))
+    rbytes = parse_reserve(reserve, memory_bytes)
+    available = memory_bytes - wbytes - rbytes
+    if available <= 0:
+        raise PlanError(
+            f"memory: {human_bytes(memory_bytes)} does not hold the weights ({human_bytes(wbytes)}, {params:,} params "
+            f"at {weights_dtype}) plus the reserve ({human_bytes(rbytes)})"
+        )
+    text = config.get_text_config(decoder=True)
+    return {
+        "memory_bytes": memory_bytes,
+        "parameters": params,
+        "weights_dtype": str(weights_dtype),
+        "weights_bytes": wbytes,
+        "reserve": str(reserve),
+        "reserve_bytes": rbytes,
+        "available_bytes": available,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+    }
+
+
+def plan(
+    config: Any,
+    memory_bytes: int | str,
+    context: int,
+    batch: int = 1,
+    weights_dtype: str | float = "bf16",
+    kv_dtype: str | int = "bf16",
+    reserve: str | int = DEFAULT_RESERVE,
+    presets: list[str | KVQuantConfig] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per preset plus a ``reference`` row (no quantization, ``kv_dtype``).
+
+    Each row: ``config``, ``kv_bytes`` (one sequence at ``context``, exactly ``cache.nbytes()``),
+    ``kv_bytes_peak`` (max over contexts up to ``context``), ``bytes_per_token``, ``effective_bits``,
+    ``max_batch`` (at ``context``), ``max_context`` (at ``batch``; capped at the model's
+    ``max_position_embeddings``, then ``max_context_capped`` is True), plus the budget figures.
+    """
+    if context < 1:
+        raise PlanError(f"context: expected an integer >= 1, got {context!r}")
+    if batch < 1:
+        raise PlanError(f"batch: expected an integer >= 1, got {batch!r}")
+    fp_itemsize = dtype_bytes(kv_dtype, "kv_dtype")
+    if fp_itemsize != int(fp_itemsize):
+        raise PlanError(f"kv_dtype: the cache keeps full-precision tokens in a float dtype, got {kv_dtype!r}")
+    fp_itemsize = int(fp_itemsize)
+    money = budget(config, memory_bytes, weights_dtype, reserve)
+    available = money["available_bytes"]
+    limit_pos = money["max_position_embeddings"]
+    names = list(preset_names()) if presets is None else list(presets)
+    configs = []
+    for p in names:
+        if isinstance(p, KVQuantConfig):
+            configs.append((p.name, p))
+        elif p not in preset_names():
+            raise PlanError(f"presets: unknown preset {p!r}; allowed: {', '.join(preset_names())}")
+        else:
+            configs.append((p, KVQuantConfig.from_preset(p)))
+    ref_label = {1: "fp8", 2: "fp16/bf16", 4: "fp32"}.get(fp_itemsize, f"{fp_itemsize}-byte")
+    configs.append(("reference", KVQuantConfig(key_format="none", value_format="none", name="reference")))
+    rows = []
+    for name, quant in configs:
+        kv = _KVModel(config, quant, fp_itemsize)
+        one = kv.bytes(context, 1)
+        limit = limit_pos if limit_pos else max(context, batch) * 1024
+        mctx = max_context(kv, available, batch, limit)
+        elements = kv.held_elements(context, 1)
+        rows.append(
+            {
+                "config": name,
+                "label": f"{ref_label} ({kv_dtype})" if name == "reference" else name,
+                "context": context,
+                "batch": batch,
+                "kv_bytes": one,
+                "kv_bytes_peak": _Peak(kv, 1, context)(context),
+                "bytes_per_token": one / context,
+                "effective_bits": 8 * one / elements if elements else float("nan"),
+                "max_batch": max_batch(kv, available, context),
+                "max_context": mctx,
+                "max_context_capped": bool(limit_pos) and mctx == limit_pos,
+                **money,
+            }
+        )
+    return rows
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"`` (binary units, two decimals; plain bytes below 1 KiB)."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
