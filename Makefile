@@ -1,13 +1,13 @@
 # make demo  - run the main job on the embedded model (sets up .venv first if needed)
 # make test  - run the test suite (sets up .venv first if needed)
 # make test-fast - the suite without the `slow` tests (the inner loop)
-# make lint  - ruff check + format check
+# make lint  - ruff check + format check + the import contracts (lint-imports, pyproject.toml)
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-setup
-LINT_PATHS := kvquant kernels eval tests
+LINT_PATHS := kvquant kernels eval tests .ci
 
 .PHONY: setup test test-fast lint format demo clean
 
@@ -31,9 +31,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -m "not slow"
 
+# lint-imports runs on a copy laid out as installed (kernels/ and eval/ are mapped under kvquant.)
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/python .ci/lint_imports.py
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix $(LINT_PATHS)

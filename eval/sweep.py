@@ -371,7 +371,7 @@ def run_sweep(
             if model is not None:
                 model_configs[label] = model.config
             else:
-                from kvquant.plan import load_config as plan_config
+                from kvquant.planning import load_config as plan_config
 
                 model_configs[label] = plan_config(name)
             continue

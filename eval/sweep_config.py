@@ -127,7 +127,7 @@ class SweepConfig:
 
     def validate(self) -> None:
         """Every field checked once; the first bad one raises :class:`SweepError` naming it."""
-        from kvquant.plan import PlanError, dtype_bytes, parse_reserve, parse_size
+        from kvquant.planning import PlanError, dtype_bytes, parse_reserve, parse_size
 
         if not isinstance(self.models, list) or not self.models:
             raise SweepError(f"models: expected a non-empty list of model names, got {self.models!r}")

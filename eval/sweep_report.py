@@ -290,7 +290,7 @@ def capacity(cfg, specs: list[CacheSpec], model_config: Any) -> dict[str, Any]:
     """Max concurrent sequences at ``cfg.capacity.budget`` per cache and context (kvquant plan);
     transformers' caches other than DynamicCache are not modelled by the planner."""
     from kvquant.eval.sweep import SweepError
-    from kvquant.plan import PlanError, plan
+    from kvquant.planning import PlanError, plan
 
     cap = cfg.capacity
     contexts = sorted(set(cfg.grid.contexts) | set(cap.contexts or []))

@@ -63,7 +63,9 @@ def test_preset_yamls_are_package_data():
     yamls = [p for p in presets.iterdir() if p.name.endswith((".yaml", ".yml"))]
     installed = {p.name.rsplit(".", 1)[0] for p in yamls}
     in_repo = {p.stem for p in (REPO / "configs" / "presets").glob("*.yaml")}
-    assert in_repo and in_repo <= installed, f"presets missing from the package: {sorted(in_repo - installed)}"
+    assert in_repo and in_repo <= installed, (
+        f"presets missing from the package: {sorted(in_repo - installed)}"
+    )
     assert set(preset_names()) == installed
     for p in yamls:
         assert p.read_text().strip(), f"{p.name} is empty"
@@ -73,5 +75,5 @@ def test_console_script_entry_point():
     from importlib.metadata import entry_points
 
     (ep,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "kvquant"]
-    assert ep.value == "kvquant.cli:main"
+    assert ep.value == "kvquant.tools.cli:main"
     assert callable(ep.load())

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvquant.cli import main
+from kvquant.tools.cli import main
 
 
 def _flags(fast: dict) -> list[str]:
@@ -88,7 +88,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, tiny_model_dir, fast, 
 
 def test_console_script_exit_status(tmp_path):
     # the installed `kvquant` entry point, in a fresh process: no traceback, status 2
-    exe = [sys.executable, "-c", "import sys; from kvquant.cli import main; sys.exit(main())"]
+    exe = [sys.executable, "-c", "import sys; from kvquant.tools.cli import main; sys.exit(main())"]
     proc = subprocess.run(
         [*exe, "eval", "--cache", "nope", "--no-progress", "--output-dir", str(tmp_path)],
         capture_output=True,

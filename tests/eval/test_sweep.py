@@ -10,12 +10,12 @@ import pytest
 import torch
 import yaml
 
-from kvquant.cli import main
 from kvquant.eval import runner as runner_mod
 from kvquant.eval import sweep as sweep_mod
 from kvquant.eval import sweep_config
 from kvquant.eval.sweep import SweepError, load_sweep_config, run_sweep
 from kvquant.eval.sweep_report import pareto_front, recommend
+from kvquant.tools.cli import main
 
 CACHES = ["dynamic", "int8", "int4"]
 FAST = {
@@ -220,7 +220,7 @@ def test_plots_exist_and_their_data_matches_the_table(swept):
 
 def test_capacity_is_the_planners(swept, tiny):
     from kvquant.config import KVQuantConfig
-    from kvquant.plan import plan
+    from kvquant.planning import plan
 
     rows = plan(
         tiny.config, "1GiB", 128, presets=[KVQuantConfig.resolve("int8"), KVQuantConfig.resolve("int4")]

@@ -8,8 +8,8 @@ import torch
 import yaml
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.cli import main
-from kvquant.tune import DEFAULT_BASE, LADDER, allocate, build_config, rung_bits, tune
+from kvquant.tools.cli import main
+from kvquant.tools.tune import DEFAULT_BASE, LADDER, allocate, build_config, rung_bits, tune
 
 BITS = {"lo": 2.0, "mid": 3.0, "hi": 4.0}
 # layer 0 is sensitive, layer 1 barely, layer 2 in between

@@ -104,7 +104,7 @@ def test_unknown_path_raises_value_error(tmp_path):
 
 def test_cli_help_runs():
     out = subprocess.run(
-        [sys.executable, "-m", "kvquant.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "kvquant.tools.cli", "--help"], capture_output=True, text=True, check=True
     )
     assert "demo" in out.stdout
 

@@ -7,7 +7,7 @@ chunked torch path; the JSON's meta says which),
 KVQuantCache through the dequantizing path (plain sdpa), and transformers' QuantizedCache (quanto)
 when optimum-quanto is installed. Warm-up runs, then the median of repeated timed runs.
 
-``kvquant bench kernels``: the GPU kernel benchmark (``kvquant.kernels.bench``; needs CUDA).
+``kvquant bench kernels``: the GPU kernel benchmark (``kvquant.tools.bench_kernels``; needs CUDA).
 """
 
 from __future__ import annotations

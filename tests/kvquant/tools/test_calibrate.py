@@ -5,8 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.calibrate import calibrate_static_scales
 from kvquant.models import tiny_model
+from kvquant.tools.calibrate import calibrate_static_scales
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])

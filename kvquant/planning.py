@@ -10,8 +10,12 @@ A sequence passes through every shorter context on its way, and the bytes are no
 context (a KIVI block that fills is quantized and shrinks; sinks leave a sliding window), so the
 capacity figures use the *peak* bytes over all contexts up to the one asked for.
 
+The arithmetic lives here, below the harness (``kvquant sweep`` reads capacities from it) and the
+tools; the ``kvquant plan`` command and its table are :mod:`kvquant.tools.plan`.
+
 Example:
     >>> from kvquant.models import tiny_config
+    >>> from kvquant.planning import plan
     >>> rows = plan(tiny_config("llama"), memory_bytes=2**30, context=256, presets=["int4"])
     >>> rows[0]["config"], rows[-1]["config"]
     ('int4', 'reference')
@@ -298,8 +302,8 @@ def budget(
     available = memory_bytes - wbytes - rbytes
     if available <= 0:
         raise PlanError(
-            f"memory: {_fmt(memory_bytes)} does not hold the weights ({_fmt(wbytes)}, {params:,} params "
-            f"at {weights_dtype}) plus the reserve ({_fmt(rbytes)})"
+            f"memory: {human_bytes(memory_bytes)} does not hold the weights ({human_bytes(wbytes)}, {params:,} params "
+            f"at {weights_dtype}) plus the reserve ({human_bytes(rbytes)})"
         )
     text = config.get_text_config(decoder=True)
     return {
@@ -379,54 +383,9 @@ def plan(
     return rows
 
 
-# ------------------------------------------------------------------------------------------ output
-
-
-def _fmt(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"`` (binary units, two decimals; plain bytes below 1 KiB)."""
     for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
-
-
-def format_table(rows: list[dict[str, Any]], model: str = "") -> str:
-    """The plan as a markdown table, with the budget stated above it."""
-    r0 = rows[0]
-    head = [
-        f"model: {model}  ({r0['parameters']:,} parameters, max_position_embeddings "
-        f"{r0['max_position_embeddings']})",
-        f"memory {_fmt(r0['memory_bytes'])} = weights {_fmt(r0['weights_bytes'])} ({r0['weights_dtype']}) "
-        f"+ activation reserve {_fmt(r0['reserve_bytes'])} ({r0['reserve']}) "
-        f"+ KV budget {_fmt(r0['available_bytes'])}",
-        "",
-        f"| config | KV bytes / seq @ {r0['context']} | bytes / token | bits / elem "
-        f"| max batch @ {r0['context']} | max context @ batch {r0['batch']} |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    capped = False
-    mpe = r0["max_position_embeddings"]
-    if mpe and r0["context"] > mpe:
-        head.insert(
-            2, f"warning: context {r0['context']} exceeds the model's max_position_embeddings ({mpe})"
-        )
-    for r in rows:
-        ctx = f"{r['max_context']:,}"
-        if r["max_context_capped"]:
-            ctx += " (cap)"
-            capped = True
-        mb = "unbounded" if r["max_batch"] < 0 else f"{r['max_batch']:,}"
-        head.append(
-            f"| {r['label']} | {r['kv_bytes']:,} ({_fmt(r['kv_bytes'])}) | {r['bytes_per_token']:,.1f} "
-            f"| {r['effective_bits']:.2f} | {mb} | {ctx} |"
-        )
-    notes = [
-        "",
-        "Max batch / max context use the peak KV bytes over all contexts up to the one given "
-        "(a sequence passes through them); weights are estimated from the config.",
-    ]
-    if capped:
-        notes.append(
-            f"(cap): limited by the model's max_position_embeddings ({r0['max_position_embeddings']}), "
-            "not by memory."
-        )
-    return "\n".join(head + notes)

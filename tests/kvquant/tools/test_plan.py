@@ -7,20 +7,20 @@ import pytest
 import torch
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.cli import main
 from kvquant.config import preset_names
 from kvquant.memory import model_cache_bytes
 from kvquant.models import tiny_config, tiny_model
-from kvquant.plan import (
+from kvquant.planning import (
     PlanError,
     _KVModel,
     estimate_parameters,
-    format_table,
     max_context,
     parse_reserve,
     parse_size,
     plan,
 )
+from kvquant.tools.cli import main
+from kvquant.tools.plan import format_table
 
 # family name -> (tiny family, overrides)
 VARIANTS = {

@@ -1,6 +1,6 @@
 """GPU benchmark of one decode step's attention: the fused quantized kernel against fp16 baselines.
 
-    python -m kvquant.kernels.bench --out results/bench_decode
+    python -m kvquant.tools.bench_kernels --out results/bench_decode
 
 For every (batch, context) shape (32 query / 8 KV heads, head_dim 128 by default) it times, with
 ``triton.testing.do_bench_cudagraph`` (CUDA-graph replays, no launch overhead):
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep", type=int, default=50, help="ms of graph replays per measurement")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kvquant.kernels.bench: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
+        print("kvquant.tools.bench_kernels: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
               file=sys.stderr)  # fmt: skip
         return 2
     import triton

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvquant.demo import run
+    from kvquant.tools.demo import run
 
     return run(args.model, args.prompt, args.max_new_tokens, args.cache)
 
@@ -181,10 +181,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.target == "kernels":
-        from kvquant.kernels.bench import main as kernels_main
+        from kvquant.tools.bench_kernels import main as kernels_main
 
         return kernels_main(["--out", args.out or "runs/bench-kernels"])
-    from kvquant.bench import bench_cpu
+    from kvquant.tools.bench import bench_cpu
 
     bench_cpu(
         args.model, tuple(args.contexts), tuple(args.presets), args.steps, args.repeats, out_dir=args.out
@@ -207,11 +207,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from kvquant.calibrate import calibrate_static_scales
     from kvquant.config import KVQuantConfig
     from kvquant.eval.config import CorpusSection
     from kvquant.eval.corpus import load_corpus, tokenize
     from kvquant.models import load_model
+    from kvquant.tools.calibrate import calibrate_static_scales
 
     try:
         cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
@@ -247,7 +247,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from kvquant.plan import PlanError, format_table, load_config, parse_size, plan
+    from kvquant.tools.plan import PlanError, format_table, load_config, parse_size, plan
 
     try:
         memory = parse_size(args.memory, "--memory")
@@ -358,7 +358,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from kvquant.eval.config import CorpusSection
     from kvquant.eval.corpus import load_corpus, make_windows, tokenize
     from kvquant.models import load_model
-    from kvquant.tune import tune
+    from kvquant.tools.tune import tune
 
     try:
         if args.windows < 1 or args.window_len < 2:

@@ -2,10 +2,10 @@
 
 import json
 
-from kvquant.bench import bench_cpu
-from kvquant.cli import build_parser
 from kvquant.models import tiny_model
 from kvquant.native import native_available
+from kvquant.tools.bench import bench_cpu
+from kvquant.tools.cli import build_parser
 
 
 def test_every_contender_decodes_and_is_timed(tmp_path):
