@@ -107,7 +107,9 @@ class FormatSpec:
     def has_scale(self) -> bool:  # TEMPORARY (lead's branch)
         return self.kind != "passthrough"
 
-    def bytes_per_token(self, head_dim, group_size, axis, scale_itemsize, static=False, fp_itemsize=2):  # TEMP
+    def bytes_per_token(
+        self, head_dim, group_size, axis, scale_itemsize, static=False, fp_itemsize=2
+    ):  # TEMP
         if self.kind == "passthrough":
             return float(head_dim * fp_itemsize)
         codes = self.code_width(head_dim)

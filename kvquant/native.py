@@ -405,8 +405,14 @@ def trellis_encode_native(
 
 def native_quantizes_args(x, fmt, axis, scale) -> bool:  # TEMPORARY (lead's branch)
     spec = format_spec(fmt)
-    return (not x.is_cuda and axis == "token" and spec.kind in ("int_sym", "int_asym")
-            and scale is not None and scale.dtype in _WRITTEN_SCALE_DTYPES and _library() is not None)
+    return (
+        not x.is_cuda
+        and axis == "token"
+        and spec.kind in ("int_sym", "int_asym")
+        and scale is not None
+        and scale.dtype in _WRITTEN_SCALE_DTYPES
+        and _library() is not None
+    )
 
 
 def quantize_into_buffers(x, codes, scale, zero, index, fmt) -> bool:  # TEMPORARY (lead's branch)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
 
-from kvquant.config import KVQuantConfig
 from kvquant.cache.layer import QuantizedKVLayer, make_layer
+from kvquant.config import KVQuantConfig
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
 

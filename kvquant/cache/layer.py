@@ -86,7 +86,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         sdt = cfg.torch_scale_dtype
         sk, sv = self.static_scales if self.static_scales is not None else (None, None)
         self.main = QuantizedSegment(
-            TokenStore(cfg.key_format, kg, cfg.key_axis, sdt, sk), TokenStore(cfg.value_format, vg, "token", sdt, sv)
+            TokenStore(cfg.key_format, kg, cfg.key_axis, sdt, sk),
+            TokenStore(cfg.value_format, vg, "token", sdt, sv),
         )
         self.main.allocate(b, h, d, self.initial_capacity, self.dtype, self.device)
         if cfg.recent_length:
@@ -208,7 +209,11 @@ class QuantizedKVLayer(CacheLayerMixin):
     # ------------------------------------------------------------------------------------ reads
 
     def _sinks_back(
-        self, k: torch.Tensor, v: torch.Tensor, p0: int, sinks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p0: int,
+        sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Put the sink values (default: the ones held now) over their slots in ``k, v [B, H, n, D]``
         holding positions ``[p0, p0 + n)``."""
@@ -280,7 +285,9 @@ class QuantizedKVLayer(CacheLayerMixin):
             tail_v=tail_v,
             transform=self.transform,
             # the sinks as they are now: a sliding layer may drop them in this call's append
-            sinks_back=functools.partial(self._sinks_back, sinks=(self.sinks.k, self.sinks.v) if sinks else None),
+            sinks_back=functools.partial(
+                self._sinks_back, sinks=(self.sinks.k, self.sinks.v) if sinks else None
+            ),
         )
 
     # ------------------------------------------------------------------------------------ generate hooks

@@ -262,7 +262,9 @@ class SinkSegment:
         m = min(x.shape[2], pads_max + self.n - t0)
         slot = torch.arange(m, device=x.device) + t0 - pads[:, None]  # [B, m]
         is_sink = ((slot >= 0) & (slot < self.n))[:, None, :, None]
-        got = sink.gather(2, slot.clamp(0, self.n - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+        got = sink.gather(
+            2, slot.clamp(0, self.n - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+        )
         x[:, :, :m] = torch.where(is_sink, got, x[:, :, :m])
         return x
 

@@ -1,8 +1,9 @@
 """Static per-(layer, head) scales for int8 / fp8 from a calibration pass.
 
 Run the model over calibration text with a full-precision cache, take each layer's per-head
-maximum ``|k|`` and ``|v|`` (after the Hadamard rotation when the config rotates), and divide by
-the format's largest code. With ``static_scales: <file>`` in a config the store then holds codes
+maximum ``|k|`` and ``|v|`` as the cache stores them (through the config's key transform: rotation
+and smoothing, fitted per window as the cache fits it on a prompt), and divide by the format's largest
+code. With ``static_scales: <file>`` in a config the store then holds codes
 only: no per-token scales (values beyond the calibrated range are clipped).
 
 Example:
@@ -21,7 +22,7 @@ from transformers import DynamicCache
 
 from kvquant.config import KVQuantConfig
 from kvquant.formats import format_spec
-from kvquant.transforms import rotate
+from kvquant.transforms import KeyTransform
 
 
 @torch.no_grad()
@@ -42,8 +43,8 @@ def calibrate_static_scales(
         margin: multiplies the observed maximum (> 1 leaves headroom for unseen outliers).
     """
     for f in ("key_format", "value_format"):
-        kind = format_spec(getattr(config, f)).kind
-        if kind not in ("int_sym", "float"):
+        spec = format_spec(getattr(config, f))
+        if not (spec.takes_static_scale and spec.has_scale):
             raise ValueError(f"{f}: static scales need int8 or fp8, got {getattr(config, f)!r}")
     if margin <= 0:
         raise ValueError(f"margin: must be > 0, got {margin}")
@@ -59,8 +60,10 @@ def calibrate_static_scales(
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
             k, v = layer.keys.float(), layer.values.float()  # [B, H, T, D]
-            if config.rotation == "hadamard":
-                k, v = rotate(k), rotate(v)
+            transform = KeyTransform(config.rotation, config.smoothing, config.torch_scale_dtype)
+            own = (torch.arange(k.shape[2], device=k.device) >= config.sink_tokens).float()
+            transform.fit(k, own.view(1, 1, -1, 1))  # sinks excluded, as the layer fits it
+            k, v = transform.apply(k, v)
             mk, mv = k.abs().amax(dim=(0, 2, 3)).cpu(), v.abs().amax(dim=(0, 2, 3)).cpu()  # [H]
             amax_k[i] = mk if amax_k[i] is None else torch.maximum(amax_k[i], mk)
             amax_v[i] = mv if amax_v[i] is None else torch.maximum(amax_v[i], mv)

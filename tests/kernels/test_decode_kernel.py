@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 
+from kvquant.cache.store import TokenStore
 from kvquant.formats import QuantizedBlock, dequantize, format_spec
 from kvquant.kernels import merge_attention, quantized_decode_attention, quantized_decode_attention_ref
-from kvquant.cache.store import TokenStore
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")

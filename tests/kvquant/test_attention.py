@@ -13,8 +13,8 @@ from transformers.masking_utils import AttentionMaskInterface
 import kvquant
 from kvquant import KVQuantCache, KVQuantConfig
 from kvquant.attention import dense_attention, kvquant_attention_forward
-from kvquant.config import preset_names
 from kvquant.cache import QuantizedKVLayer
+from kvquant.config import preset_names
 from kvquant.models import tiny_model
 
 FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gemma3"]

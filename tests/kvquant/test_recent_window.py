@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.formats import dequantize, quantize
 from kvquant.cache import QuantizedKVLayer
+from kvquant.formats import dequantize, quantize
 from kvquant.memory import layer_bytes
 
 B, H, D = 2, 3, 16

@@ -58,3 +58,21 @@ def test_static_scales_reject_int4():
             torch.zeros(1, 8, dtype=torch.long),
             KVQuantConfig(key_format="int4", value_format="int4"),
         )
+
+
+def test_static_scales_are_measured_on_the_stored_keys_smoothing_included():
+    """With smoothing the cache stores ``k - mean``: the calibrated key scales are those keys' maxima,
+    not the raw keys' (calibration once rotated but did not smooth)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 120, (1, 64), generator=torch.Generator().manual_seed(0))
+    plain = KVQuantConfig(key_format="int8", value_format="int8")
+    smoothed = KVQuantConfig(key_format="int8", value_format="int8", smoothing="mean")
+    raw = calibrate_static_scales(model, ids, plain, window=64)["keys"]
+    centred = calibrate_static_scales(model, ids, smoothed, window=64)["keys"]
+    with torch.no_grad():
+        full = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=full)
+    k = full.layers[0].keys.float()  # [1, H, T, D]
+    want = (k - k.mean(dim=2, keepdim=True)).abs().amax(dim=(0, 2, 3)) / 127
+    torch.testing.assert_close(centred[0], want, rtol=2e-3, atol=1e-6)
+    assert not torch.allclose(centred[0], raw[0])
