@@ -5,6 +5,9 @@ builds a full-precision copy of the history: each chunk of codes is widened to f
 themselves, not dequantized values), scales and zero points are folded into the query (keys) and
 into the probabilities (values), and an online softmax carries the running max / sum across chunks.
 Each KV head is read once for all the query heads of its GQA group.
+
+:data:`BACKEND` offers it to :mod:`kvquant.kernels.ops` as the ``chunked`` backend: every format,
+any device.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvquant.formats import format_spec, unpack_codes
+from kvquant.kernels.backend import Backend, DecodeCall
 from kvquant.trellis import trellis_decode
 
 
@@ -212,3 +216,19 @@ def decode_attention_torch(
     out = torch.where(l_sum[..., None] == 0, torch.zeros_like(acc), acc / l_sum.clamp_min(1e-30)[..., None])
     lse = m + torch.log(l_sum)
     return out.view(b, hq, d), lse.view(b, hq)
+
+
+class ChunkedBackend(Backend):
+    """:func:`decode_attention_torch` as a backend: every format and layout, any device."""
+
+    name = "chunked"
+    devices = frozenset({"cpu", "cuda", "mps", "xpu"})
+
+    def supports_decode(self, call: DecodeCall) -> str | None:
+        return None
+
+    def decode_attention(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, **kw):
+        return decode_attention_torch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, **kw)
+
+
+BACKEND = ChunkedBackend()

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from kvquant.env import c_compiler, cache_root, native_enabled
-from kvquant.formats import format_spec
+from kvquant.formats import FORMAT_NAMES, format_spec
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall
 
 log = logging.getLogger("kvquant")
 
@@ -160,8 +161,7 @@ MAX_HEAD_DIM = 512
 def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
     """Whether the kernel reads both formats (every quantized format but the trellis codes; not
     ``none``) at this head size (up to ``MAX_HEAD_DIM``)."""
-    kinds = (format_spec(k_fmt).kind, format_spec(v_fmt).kind)
-    return "passthrough" not in kinds and "trellis" not in kinds and head_dim <= MAX_HEAD_DIM
+    return k_fmt in DECODE_FORMATS and v_fmt in DECODE_FORMATS and head_dim <= MAX_HEAD_DIM
 
 
 _LUTS: dict[str, torch.Tensor] = {}
@@ -187,6 +187,10 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
 
 
+# what kvq_decode reads (a code per element: integers, fp8 and codebooks) and kvq_quantize writes
+DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind not in ("passthrough", "trellis"))
+QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind in ("int_sym", "int_asym"))
+TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind == "trellis")
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
 _WRITTEN_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # kvq_quantize rounds into these
 
@@ -340,7 +344,7 @@ def native_quantizes(store, x: torch.Tensor) -> bool:
         not x.is_cuda
         and store.axis == "token"
         and store.static_scale is None
-        and store.spec.kind in ("int_sym", "int_asym")
+        and store.fmt in QUANTIZE_FORMATS
         and store.scale_dtype in _WRITTEN_SCALE_DTYPES
         and _library() is not None
     )
@@ -356,20 +360,27 @@ def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
     """
     if not native_quantizes(store, x):
         return False
-    spec = store.spec
+    return quantize_into(x, store.codes, store.scale, store.zero, index, store.fmt)
+
+
+def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
+    """``kvq_quantize``: ``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` /
+    ``zero [B, H, cap, D / G]`` at buffer index ``index`` (an integer format of
+    ``QUANTIZE_FORMATS``, token axis, fp32 / fp16 / bf16 scales, CPU, the kernel built). False where
+    the spec refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted written."""
+    spec = format_spec(fmt)
     xf = x.float()
     if xf.stride(-1) != 1:
         xf = xf.contiguous()
     b, h, n, d = xf.shape
-    codes, scale = store.codes, store.scale
-    zero = store.zero if store.zero is not None else scale
+    zero = zero if zero is not None else scale
     cs, ss, xs = _strides(codes), _strides(scale), _strides(xf)
-    rc = _state["lib"].kvq_quantize(
+    rc = _library().kvq_quantize(
         xf.data_ptr(), b, h, n, d, *xs,
         codes.data_ptr() + index * codes.stride(2), *cs,
         scale.data_ptr() + index * scale.stride(2) * scale.element_size(),
         zero.data_ptr() + index * zero.stride(2) * zero.element_size(), *ss,
-        _SCALE_DTYPES[store.scale_dtype], spec.bits, int(spec.kind == "int_sym"), scale.shape[-1],
+        _SCALE_DTYPES[scale.dtype], spec.bits, int(spec.kind == "int_sym"), scale.shape[-1],
     )  # fmt: skip
     if rc < 0:
         raise MemoryError("native CPU quantize kernel: out of memory")
@@ -401,3 +412,59 @@ def trellis_encode_native(
     if rc < 0:
         raise MemoryError("native CPU trellis encoder: out of memory")
     return codes
+
+
+class CpuBackend(Backend):
+    """The C kernels on CPU: decode of every format with a code per element (not ``none``, not the
+    trellis codes) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call; quantize of the
+    integer formats on the token axis with computed scales; the trellis search."""
+
+    name = "cpu"
+    devices = frozenset({"cpu"})
+    takes_fp_tokens = True
+
+    def available(self) -> str | None:
+        return None if native_available() else f"C kernels unavailable: {native_error()}"
+
+    def supports_decode(self, call: DecodeCall) -> str | None:
+        if not set(call.formats) <= DECODE_FORMATS:
+            return f"reads {', '.join(sorted(DECODE_FORMATS))}"
+        if call.head_dim > MAX_HEAD_DIM:
+            return f"head_dim up to {MAX_HEAD_DIM}"
+        if not set(call.scale_dtypes) <= set(_SCALE_DTYPES):
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
+        return None
+
+    def supports_quantize(self, call: QuantizeCall) -> str | None:
+        if call.fmt in TRELLIS_FORMATS:  # scales in torch, the search in C (the spec's codes)
+            return None
+        if call.fmt not in QUANTIZE_FORMATS:
+            return f"writes {', '.join(sorted(QUANTIZE_FORMATS | TRELLIS_FORMATS))}"
+        if call.axis != "token" or call.static_scale:
+            return "computed scales along the token axis"
+        if call.scale_dtype not in _WRITTEN_SCALE_DTYPES:
+            return "scales in fp32 / fp16 / bf16"
+        return None
+
+    def supports_encode(self, call: EncodeCall) -> str | None:
+        return None if call.fmt in TRELLIS_FORMATS else f"searches {', '.join(sorted(TRELLIS_FORMATS))}"
+
+    def decode_attention(self, *tensors, **kw):
+        return decode_attention_native(*tensors, **kw)
+
+    def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
+        if fmt in TRELLIS_FORMATS:
+            from kvquant.kernels.reference import quantize_append_ref
+
+            quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=False)
+            return True
+        return quantize_into(x, codes, scale, zero, index, fmt)
+
+    def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
+        from kvquant.trellis import _TWO_PASS_FROM, TRELLIS_STATE_BITS, trellis_table
+
+        bits = format_spec(fmt).bits
+        return trellis_encode_native(y, bits, TRELLIS_STATE_BITS[bits], trellis_table(bits), _TWO_PASS_FROM)
+
+
+BACKEND = CpuBackend()
