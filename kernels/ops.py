@@ -34,10 +34,10 @@ OPS = ("quantize_append", "decode_attention", "encode")
 @functools.cache
 def backends() -> tuple[Backend, ...]:
     """Every backend, in the order of preference: triton > cpu > chunked > reference."""
-    from kvquant.decode_cpu import BACKEND as chunked
+    from kvquant.kernels.chunked import BACKEND as chunked
+    from kvquant.kernels.cpu.backend import BACKEND as cpu
     from kvquant.kernels.reference import BACKEND as reference
-    from kvquant.kernels.triton_backend import BACKEND as triton
-    from kvquant.native import BACKEND as cpu
+    from kvquant.kernels.triton.backend import BACKEND as triton
 
     return (triton, cpu, chunked, reference)
 

@@ -17,12 +17,12 @@ import torch
 from kvquant.formats import FORMAT_NAMES, QuantizedBlock, dequantize, format_spec, quantize
 from kvquant.kernels import ops
 from kvquant.kernels.backend import flag_nonfinite, raise_deferred
+from kvquant.kernels.cpu import native_available
 from kvquant.kernels.reference import (
     dense_decode_attention_ref,
     merge_attention,
     quantized_decode_attention_ref,
 )
-from kvquant.native import native_available
 
 QUANTIZED = [f for f in FORMAT_NAMES if f != "none"]
 HAS_C = native_available()
@@ -252,7 +252,7 @@ def test_every_decode_backend_equals_the_reference(k_fmt, v_fmt, backend):
 @pytest.mark.parametrize("t", [1, 63, 130])
 @pytest.mark.parametrize("gq", [1, 3])
 def test_the_two_references_agree_on_every_format(fmt, t, gq):
-    from kvquant.decode_cpu import decode_attention_torch
+    from kvquant.kernels.chunked import decode_attention_torch
 
     tensors, args = _decode_case(fmt, fmt, t=t, gq=gq, b=3, seed=t)
     ref = quantized_decode_attention_ref(*tensors, **args)
@@ -262,7 +262,7 @@ def test_the_two_references_agree_on_every_format(fmt, t, gq):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_the_two_references_agree_on_static_scales(fmt):
-    from kvquant.decode_cpu import decode_attention_torch
+    from kvquant.kernels.chunked import decode_attention_torch
 
     tensors, args = _decode_case(fmt, fmt, t=70, static=torch.tensor([0.05, 0.03]), k_group=64)
     ref = quantized_decode_attention_ref(*tensors, **args)
@@ -272,7 +272,7 @@ def test_the_two_references_agree_on_static_scales(fmt):
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int3", "int2", "fp8_e5m2"])
 @pytest.mark.parametrize("t", [32, 128])
 def test_the_two_references_agree_on_channel_axis_keys(fmt, t):
-    from kvquant.decode_cpu import decode_attention_torch
+    from kvquant.kernels.chunked import decode_attention_torch
 
     tensors, args = _decode_case(fmt, "int4", t=t, k_axis="channel", k_group=16, seed=t)
     ref = quantized_decode_attention_ref(*tensors, **args)

@@ -62,12 +62,12 @@ class TritonBackend(Backend):
         return None
 
     def decode_attention(self, *tensors, **kw):
-        from kvquant.kernels.decode_attention import quantized_decode_attention
+        from kvquant.kernels.triton.decode_attention import quantized_decode_attention
 
         return quantized_decode_attention(*tensors, **kw)
 
     def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
-        from kvquant.kernels.quantize import quantize_append
+        from kvquant.kernels.triton.quantize import quantize_append
 
         quantize_append(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
         if scale is None:  # pass-through: a copy
