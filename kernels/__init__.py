@@ -30,9 +30,9 @@ except ImportError:  # pragma: no cover - triton is a linux dependency
     HAS_TRITON = False
 
 if HAS_TRITON:
-    from kvquant.kernels._common import INTERPRET
-    from kvquant.kernels.decode_attention import quantized_decode_attention
-    from kvquant.kernels.quantize import quantize_append
+    from kvquant.kernels.triton._common import INTERPRET
+    from kvquant.kernels.triton.decode_attention import quantized_decode_attention
+    from kvquant.kernels.triton.quantize import quantize_append
 else:  # pragma: no cover
     INTERPRET = False
     quantize_append = quantize_append_ref

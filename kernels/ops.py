@@ -1,38 +1,288 @@
-"""TEMPORARY stand-in for the formats helper's kernels/ops.py (the lead's branch only)."""
+"""One dispatch per op: ``quantize_append``, ``decode_attention``, ``encode``.
+
+Each op has one signature, shared by all its backends. A call is described by a small record
+(:mod:`kvquant.kernels.backend`: formats, head size, device, scale dtypes), and the first backend
+that supports it runs, in the order ``triton`` (CUDA) > ``cpu`` (the C kernels) > ``chunked``
+(torch, any device) > ``reference`` (the plain-torch spec). Callers never branch on backends or on
+format kinds; :func:`backend_for` says which backend a call would take (benches, tests, reports),
+and ``backend=`` forces one (tests; Triton then also runs on CPU under ``TRITON_INTERPRET=1``).
+
+Example:
+    >>> from kvquant.kernels import ops
+    >>> codes = torch.zeros(1, 2, 16, 32, dtype=torch.uint8)             # int4, head_dim 64
+    >>> scale, zero = torch.ones(1, 2, 16, 1, dtype=torch.float16), torch.zeros(1, 2, 16, 1, dtype=torch.float16)
+    >>> ops.quantize_append(torch.randn(1, 2, 5, 64), codes, scale, zero, 0, fmt="int4", group_size=64)
+    >>> out, lse = ops.decode_attention(torch.randn(1, 4, 64), codes, scale, zero, codes, scale, zero,
+    ...     k_fmt="int4", v_fmt="int4", k_group=64, v_group=64, k_axis="token",
+    ...     start=torch.zeros(1, dtype=torch.long), end=5, scaling=0.125)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 4, 64]), torch.Size([1, 4]))
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from kvquant.formats import format_spec
-from kvquant.kernels.reference import merge_attention, quantize_append_ref
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, raise_deferred
+from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
+
+OPS = ("quantize_append", "decode_attention", "encode")
 
 
-def quantize_append(x, codes, scale, zero, index, *, fmt, group_size, axis="token", static_scale=False):
-    from kvquant.native import native_quantizes_args, quantize_into_buffers
+@functools.cache
+def backends() -> tuple[Backend, ...]:
+    """Every backend, in the order of preference: triton > cpu > chunked > reference."""
+    from kvquant.kernels.chunked import BACKEND as chunked
+    from kvquant.kernels.cpu.backend import BACKEND as cpu
+    from kvquant.kernels.reference import BACKEND as reference
+    from kvquant.kernels.triton.backend import BACKEND as triton
 
-    if not static_scale and native_quantizes_args(x, fmt, axis, scale) and quantize_into_buffers(
-        x, codes, scale, zero, index, fmt
-    ):
-        return
-    quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
+    return (triton, cpu, chunked, reference)
 
 
-def decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_fmt, v_fmt, k_group, v_group,
-                     k_axis, start, end, scaling, softcap=None, fp_k=None, fp_v=None, fp_valid=None):
-    from kvquant.decode_cpu import decode_attention_torch
-    from kvquant.native import decode_attention_native, native_available, native_formats_ok
+def _why_not(backend: Backend, op: str, call, forced: bool) -> str | None:
+    """None when ``backend`` runs ``call`` of ``op``, else why not (support first, availability last:
+    it may build the C library)."""
+    on_device = call.device in backend.devices
+    if not on_device and forced and backend.interpretable:
+        from kvquant.kernels import use_triton
 
-    args = dict(k_fmt=k_fmt, v_fmt=v_fmt, k_group=k_group, v_group=v_group, k_axis=k_axis, start=start,
-                end=end, scaling=scaling, softcap=softcap)
-    t = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    if not q.is_cuda and native_formats_ok(k_fmt, v_fmt, q.shape[-1]) and native_available():
-        return decode_attention_native(*t, **args, fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid)
-    out, lse = decode_attention_torch(*t, **args)
-    if fp_k is None:
+        on_device = use_triton(torch.empty(0, device=call.device))
+    if not on_device:
+        return f"runs on {', '.join(sorted(backend.devices))}, not {call.device}"
+    check = {
+        "quantize_append": backend.supports_quantize,
+        "decode_attention": backend.supports_decode,
+        "encode": backend.supports_encode,
+    }[op]
+    return check(call) or backend.available()
+
+
+def _pick(op: str, call, backend: str | None) -> list[Backend]:
+    """The backends to try for ``call`` in order (the forced one alone)."""
+    if backend is not None:
+        names = [b.name for b in backends()]
+        if backend not in names:
+            raise ValueError(f"backend: unknown backend {backend!r}; allowed: {', '.join(names)}")
+        (b,) = [b for b in backends() if b.name == backend]
+        reason = _why_not(b, op, call, forced=True)
+        if reason is not None:
+            raise ValueError(f"backend: {backend} cannot run this {op} ({reason})")
+        return [b]
+    return [b for b in backends() if _why_not(b, op, call, forced=False) is None]
+
+
+# --------------------------------------------------------------------------------------------- quantize
+
+
+def quantize_append(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    index: int,
+    *,
+    fmt: str,
+    group_size: int | None,
+    axis: str = "token",
+    static_scale: bool = False,
+    backend: str | None = None,
+) -> None:
+    """Quantize ``x[B, H, n, D]`` (any float dtype) into a store's buffers at buffer index ``index``.
+
+    Buffers: ``codes [B, H, cap, W]``; ``scale`` / ``zero`` ``[B, H, cap, D / G]`` (token axis) or
+    ``[B, H, cap / G, D]`` (channel axis; ``index`` and ``n`` multiples of ``G``); with
+    ``static_scale=True`` ``scale`` is a ``[1, H, 1, 1]`` per-head scale that is read, not written.
+    Codes, scales and zero points are bit-identical to :func:`kvquant.formats.quantize` on every
+    backend.
+
+    Bad values (NaN / Inf in ``x``, a scale the scale dtype cannot hold) raise the spec's
+    ``ValueError`` and leave nothing the caller counts as written, except on CUDA: there the Triton
+    kernel writes without looking and a device-side flag records the fault without a host sync;
+    :func:`raise_deferred` raises it at the next point that syncs anyway (the cache calls it there).
+
+    Example:
+        >>> x = torch.randn(1, 2, 4, 64)
+        >>> codes = torch.empty(1, 2, 8, 64, dtype=torch.int8)
+        >>> scale = torch.empty(1, 2, 8, 1, dtype=torch.float16)
+        >>> quantize_append(x, codes, scale, None, 0, fmt="int8", group_size=64)
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x: expected [B, H, n, D], got shape {tuple(x.shape)}")
+    d = x.shape[-1]
+    g = d if group_size is None else group_size
+    call = QuantizeCall(
+        fmt, d, x.device.type, g, axis, None if scale is None else scale.dtype, bool(static_scale)
+    )
+    kw = dict(fmt=fmt, group_size=group_size, axis=axis, static_scale=bool(static_scale))
+    for b in _pick("quantize_append", call, backend):
+        if b.quantize_append(x, codes, scale, zero, index, **kw):
+            return
+    # every backend refused these values: the reference raises the spec's error
+    from kvquant.kernels.reference import BACKEND as reference
+
+    reference.quantize_append(x, codes, scale, zero, index, **kw)
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    *,
+    k_fmt: str,
+    v_fmt: str,
+    k_group: int | None,
+    v_group: int | None,
+    k_axis: str,
+    start: torch.Tensor,
+    end: int,
+    scaling: float,
+    softcap: float | None = None,
+    fp_k: torch.Tensor | None = None,
+    fp_v: torch.Tensor | None = None,
+    fp_valid: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-query-token attention over buffer indices ``[start[b], end)`` of a quantized store, plus
+    full-precision tokens in the same softmax.
+
+    Args:
+        q: ``[B, Hq, D]``, ``Hq`` a multiple of the store's ``Hkv``.
+        k_codes ... v_zero: the store's buffers (codes ``[B, Hkv, cap, W]``; scales per token
+            ``[B, Hkv, cap, D / G]``, per channel ``[B, Hkv, cap / G, D]`` or static ``[1, Hkv, 1, 1]``).
+        start: int64 ``[B]`` first valid buffer index per row; ``end``: exclusive end for every row.
+        fp_k / fp_v: ``[B, Hkv, n, D]`` full-precision tokens (sinks, the residual tail, the new
+            token), ``fp_valid [B, n]`` bool (None: all valid). A backend that cannot take them
+            (Triton, chunked, reference) gets the store alone; their dense partial is merged here
+            by log-sum-exp. The C backend takes them in the same kernel call.
+
+    Returns:
+        ``out [B, Hq, D]`` fp32 and ``lse [B, Hq]`` fp32 (natural log; nothing to attend:
+        ``out = 0``, ``lse = -inf``).
+    """
+    fp = fp_k is not None and fp_k.shape[2] > 0
+    call = DecodeCall(
+        k_fmt,
+        v_fmt,
+        q.shape[-1],
+        q.device.type,
+        k_axis,
+        k_group,
+        v_group,
+        None if k_scale is None else k_scale.dtype,
+        None if v_scale is None else v_scale.dtype,
+        fp,
+    )
+    b = _pick("decode_attention", call, backend)[0]
+    kw = dict(
+        k_fmt=k_fmt,
+        v_fmt=v_fmt,
+        k_group=k_group,
+        v_group=v_group,
+        k_axis=k_axis,
+        start=start,
+        end=end,
+        scaling=scaling,
+        softcap=softcap,
+    )
+    tensors = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    if fp and b.takes_fp_tokens:
+        return b.decode_attention(*tensors, **kw, fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid)
+    out, lse = b.decode_attention(*tensors, **kw)
+    if not fp:
         return out, lse
-    from kvquant.attention import dense_attention
+    f_out, f_lse = dense_decode_attention_ref(q, fp_k, fp_v, fp_valid, scaling, softcap)
+    return merge_attention([out, f_out], [lse, f_lse])
 
-    mask = None if fp_valid is None else fp_valid[:, None, None, :]
-    o2, l2 = dense_attention(q[:, :, None], fp_k, fp_v, mask, scaling, softcap)
-    return merge_attention([out, o2[:, :, 0]], [lse, l2[:, :, 0]])
+
+# --------------------------------------------------------------------------------------------- encode
+
+
+def encode(y: torch.Tensor, fmt: str, *, backend: str | None = None) -> torch.Tensor:
+    """Codes ``[N, D]`` (uint8, one per element, unpacked) of ``y[N, D]`` in units of the scale: the
+    nearest level of a codebook, the Viterbi search of a trellis code. C on CPU where built, torch
+    otherwise: the same codes.
+
+    Example:
+        >>> encode(torch.randn(3, 64), "tcq2").shape
+        torch.Size([3, 64])
+    """
+    if y.dim() != 2:
+        raise ValueError(f"y: expected [N, D], got shape {tuple(y.shape)}")
+    call = EncodeCall(fmt, y.shape[-1], y.device.type)
+    return _pick("encode", call, backend)[0].encode(y, fmt)
+
+
+# --------------------------------------------------------------------------------------------- which
+
+
+def backend_for(op_name: str, **call) -> str:
+    """The backend that would run a call of ``op_name``, from a description (no tensors needed).
+
+    ``quantize_append``: ``fmt``, ``head_dim``, ``device``, ``group_size`` (default ``head_dim``),
+    ``axis``, ``scale_dtype`` (default fp16; None for ``none``), ``static_scale``.
+    ``decode_attention``: ``k_fmt``, ``v_fmt`` (or ``fmt`` for both), ``head_dim``, ``device``,
+    ``k_axis``, ``k_group``, ``v_group``, ``scale_dtype`` (or ``k_scale_dtype`` / ``v_scale_dtype``),
+    ``fp_tokens``. ``encode``: ``fmt``, ``head_dim``, ``device``.
+
+    Example:
+        >>> backend_for("decode_attention", fmt="tcq2", head_dim=64, device="cpu")
+        'chunked'
+    """
+    if op_name not in OPS:
+        raise ValueError(f"op_name: unknown op {op_name!r}; allowed: {', '.join(OPS)}")
+    call = dict(call)
+    device = str(torch.device(call.pop("device", "cpu")).type)
+    head_dim = call.pop("head_dim", 128)
+    scale_dtype = call.pop("scale_dtype", torch.float16)
+    if op_name == "encode":
+        desc = EncodeCall(call.pop("fmt"), head_dim, device)
+    elif op_name == "quantize_append":
+        fmt = call.pop("fmt")
+        desc = QuantizeCall(
+            fmt,
+            head_dim,
+            device,
+            call.pop("group_size", None) or head_dim,
+            call.pop("axis", "token"),
+            scale_dtype,
+            bool(call.pop("static_scale", False)),
+        )
+    else:
+        fmt = call.pop("fmt", None)
+        k_fmt, v_fmt = call.pop("k_fmt", fmt), call.pop("v_fmt", fmt)
+        desc = DecodeCall(
+            k_fmt,
+            v_fmt,
+            head_dim,
+            device,
+            call.pop("k_axis", "token"),
+            call.pop("k_group", None),
+            call.pop("v_group", None),
+            call.pop("k_scale_dtype", scale_dtype),
+            call.pop("v_scale_dtype", scale_dtype),
+            bool(call.pop("fp_tokens", False)),
+        )
+    if call:
+        raise ValueError(f"call: unknown fields for {op_name}: {', '.join(sorted(call))}")
+    return _pick(op_name, desc, None)[0].name
+
+
+__all__ = [
+    "OPS",
+    "backend_for",
+    "backends",
+    "decode_attention",
+    "encode",
+    "quantize_append",
+    "raise_deferred",
+]

@@ -6,8 +6,13 @@ Everything here is built on :mod:`kvquant.formats` (the numeric spec) and runs o
   writes codes / scales / zero points into a store's preallocated buffers at buffer index ``index``.
 - :func:`quantized_decode_attention_ref` dequantizes the valid range of a store with
   :func:`kvquant.formats.dequantize` and computes one-query-token attention in fp32.
+- :func:`dense_decode_attention_ref` attends one query token over full-precision tokens (sinks,
+  the residual tail, the new token) and returns the same ``(out, lse)`` partial.
 - :func:`merge_attention` combines partial attentions (e.g. the quantized store and the
   full-precision sink / residual tokens) by log-sum-exp.
+
+:data:`BACKEND` offers them to :mod:`kvquant.kernels.ops` as the ``reference`` backend: every
+format, every device, the last resort of every op.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import torch
 
 from kvquant.formats import QuantizedBlock, dequantize, format_spec, is_static_scale, quantize
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall
 
 # --------------------------------------------------------------------------------------------- shared checks
 
@@ -249,3 +255,83 @@ def merge_attention(
     )
     out_lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(total, -math.inf))
     return merged, out_lse
+
+
+def dense_decode_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-query-token attention over full-precision tokens, as a partial to merge.
+
+    ``q[B, Hq, D]``, ``k / v [B, Hkv, n, D]``, ``valid [B, n]`` bool (None: every token counts).
+    Returns ``out[B, Hq, D]`` and ``lse[B, Hq]`` in fp32 (a row with no valid token: ``lse = -inf``,
+    ``out = 0``).
+
+    Example:
+        >>> out, lse = dense_decode_attention_ref(torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8),
+        ...                                       torch.randn(1, 2, 5, 8), None, 8**-0.5)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 4, 8]), torch.Size([1, 4]))
+    """
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qg = q.float().view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    s = torch.einsum("bhgd,bhnd->bhgn", qg, k.float()) * scaling  # [B, Hkv, G, n]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if valid is not None:
+        s = s.masked_fill(~valid.to(s.device)[:, None, None, :n], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G]
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.einsum("bhgn,bhnd->bhgd", torch.exp(s - lse_safe[..., None]), v.float())
+    return out.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+# --------------------------------------------------------------------------------------------- backend
+
+
+class ReferenceBackend(Backend):
+    """Plain torch on any device: every format, every layout; the spec the others are tested against."""
+
+    name = "reference"
+    devices = frozenset({"cpu", "cuda", "mps", "xpu", "meta"})
+
+    def supports_decode(self, call: DecodeCall) -> str | None:
+        return None
+
+    def supports_quantize(self, call: QuantizeCall) -> str | None:
+        return None
+
+    def supports_encode(self, call: EncodeCall) -> str | None:
+        return None
+
+    def decode_attention(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, **kw):
+        return quantized_decode_attention_ref(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, **kw)
+
+    def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
+        quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
+        return True
+
+    def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
+        return encode_ref(y, fmt)
+
+
+def encode_ref(y: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Codes ``[N, D]`` (uint8, unpacked) of ``y[N, D]`` given in units of the scale, in torch: the
+    nearest level (codebooks) or the Viterbi search (trellis codes)."""
+    spec = format_spec(fmt)
+    if spec.kind == "trellis":
+        from kvquant.trellis import trellis_encode_torch, trellis_table
+
+        return trellis_encode_torch(y, spec.bits, trellis_table(spec.bits, y.device))
+    if spec.kind == "codebook":
+        levels = spec.levels.to(y.device)
+        return torch.bucketize(y.float(), (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
+    raise ValueError(f"fmt: encode searches codebook and trellis codes, not {fmt}")
+
+
+BACKEND = ReferenceBackend()

@@ -127,7 +127,7 @@ def trellis_encode(y: torch.Tensor, bits: int, table: torch.Tensor | None = None
     m = TRELLIS_STATE_BITS[bits] // bits
     if d < m:
         raise ValueError(f"head_dim: trellis codes of {bits} bits need at least {m} channels, got {d}")
-    from kvquant.native import trellis_encode_native  # (native imports formats, which imports this)
+    from kvquant.kernels.cpu import trellis_encode_native  # (it imports formats, which imports this)
 
     native = trellis_encode_native(y, bits, TRELLIS_STATE_BITS[bits], table, _TWO_PASS_FROM)
     if native is not None:  # CPU: the C twin, the same codes

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     pkg = sys.modules.get("kvquant.kernels")
     if pkg is not None and not getattr(pkg, "INTERPRET", True):
         for name in (
-            "kvquant.kernels._common",
-            "kvquant.kernels.quantize",
-            "kvquant.kernels.decode_attention",
+            "kvquant.kernels.triton._common",
+            "kvquant.kernels.triton.quantize",
+            "kvquant.kernels.triton.decode_attention",
         ):
             if name in sys.modules:
                 importlib.reload(sys.modules[name])

@@ -20,13 +20,12 @@ import math
 import pytest
 import torch
 
-from kvquant.cache.store import TokenStore
-from kvquant.formats import QuantizedBlock, dequantize, format_spec
+from kvquant.formats import QuantizedBlock, dequantize, format_spec, quantize
 from kvquant.kernels import merge_attention, quantized_decode_attention, quantized_decode_attention_ref
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kvquant.kernels.decode_attention import load_codes  # noqa: E402 - needs triton
+from kvquant.kernels.triton.decode_attention import load_codes  # noqa: E402 - needs triton
 
 MIN_SQNR_DB = 80.0
 LSE_ATOL = 1e-4
@@ -34,14 +33,30 @@ FORMATS = ["none", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]
 
 
 def _store(x, fmt, group, axis="token", scale_dtype=torch.float16, static=None):
-    """A TokenStore holding ``x[B, H, T, D]`` at buffer indices ``[0, T)`` (capacity T + 8)."""
+    """Store buffers holding ``x[B, H, T, D]`` at buffer indices ``[0, T)`` (capacity T + 8, rounded
+    up to whole key blocks), laid out as the cache's store lays them out."""
     b, h, t, d = x.shape
-    s = TokenStore(fmt, group or d, axis, scale_dtype, static_scale=static)
-    s.allocate(b, h, d, t + 8, x.dtype, x.device)
+    spec = format_spec(fmt)
+    g = group or d
+    block = g if axis == "channel" else 1
+    cap = -(-(t + 8) // block) * block
+    width = d if spec.code_dtype is None else spec.code_width(d)
+    codes = torch.zeros(b, h, cap, width, dtype=spec.code_dtype or x.dtype, device=x.device)
+    scale = zero = None
+    if static is not None:
+        scale = static.to(scale_dtype).view(1, -1, 1, 1).to(x.device)
+    elif spec.code_dtype is not None:
+        cols = d // g if axis == "token" else d
+        scale = torch.ones(b, h, cap // block, cols, dtype=scale_dtype, device=x.device)
+        zero = torch.zeros_like(scale) if spec.has_zero else None
     if t:
-        s.write(0, s.quantize(x))
-    scale = s.static_scale if s.static_scale is not None else s.scale
-    return s.codes, scale, s.zero
+        q = quantize(x, fmt, group_size=g, axis=axis, scale_dtype=scale_dtype, static_scale=static)
+        codes[:, :, :t] = q.codes
+        if static is None and scale is not None:
+            scale[:, :, : t // block] = q.scale
+            if zero is not None:
+                zero[:, :, : t // block] = q.zero
+    return codes, scale, zero
 
 
 def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvquant.kernels import decode_attention as da, quantize as qz
+    from kvquant.kernels.triton import decode_attention as da, quantize as qz
 
     def build(fn, ptrs, floats, consts, num_warps):
         sig = {}

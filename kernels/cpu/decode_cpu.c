@@ -1,5 +1,5 @@
 /* Decode attention over the quantized store on CPU: the native twin of
- * kvquant.decode_cpu.decode_attention_torch (same operands, same numbers up to fp32 rounding).
+ * kvquant.kernels.chunked.decode_attention_torch (same operands, same numbers up to fp32 rounding).
  *
  * One (batch row, KV head) at a time: its G query heads share every key and value row read. Tokens
  * go in blocks of BLOCK_T: each key row is unpacked into a D-wide float buffer (codes -> levels ->
@@ -8,7 +8,7 @@
  * G probabilities. Nothing larger than one row per operand is ever widened: no full-precision copy
  * of the history exists at any time.
  *
- * Built at first use by kvquant/native.py (cc -O3 -march=native -shared); no Python or torch
+ * Built at first use by kernels/cpu/build.py (cc -O3 -march=native -shared); no Python or torch
  * headers, called through ctypes with raw pointers and element strides.
  */
 #include <math.h>

@@ -27,8 +27,15 @@ import triton
 import triton.language as tl
 
 from kvquant.formats import format_spec
-from kvquant.kernels._common import SCALE_KIND, fmt_constants, fp8_bits, is_pow2, rint, round_to_scale_dtype
 from kvquant.kernels.reference import check_append, quantize_append_ref, resolve_static
+from kvquant.kernels.triton._common import (
+    SCALE_KIND,
+    fmt_constants,
+    fp8_bits,
+    is_pow2,
+    rint,
+    round_to_scale_dtype,
+)
 
 
 @triton.jit

@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from kvquant.formats import format_spec, is_static_scale
-from kvquant.kernels._common import INTERPRET, is_pow2
 from kvquant.kernels.reference import check_attention, quantized_decode_attention_ref
+from kvquant.kernels.triton._common import INTERPRET, is_pow2
 
 # --------------------------------------------------------------------------------------------- helpers
 

@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (kvquant/csrc/decode_cpu.c) against its torch twin
+"""The native CPU decode kernel (kernels/cpu/decode_cpu.c) against its torch twin
 (``decode_attention_torch``): every quantized format, odd shapes, GQA ratios, left padding,
 static scales, per-channel keys, softcap, split-KV threads; outputs poisoned with NaN before each
 call. Plus the fallback when no compiler is found."""
@@ -8,13 +8,22 @@ import logging
 import pytest
 import torch
 
-import kvquant.native as native
-from kvquant.decode_cpu import decode_attention_torch
-from kvquant.formats import quantize
+import kvquant.kernels.cpu as native
+import kvquant.kernels.cpu.build as build
+from kvquant.formats import format_spec, quantize
+from kvquant.kernels.chunked import decode_attention_torch
 
 pytestmark = pytest.mark.skipif(not native.native_available(), reason="no C compiler: torch path only")
 
 QUANTIZED = ["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "nuq4", "nuq3", "nuq2"]
+
+
+def _buffers(fmt, b, h, d, cap, group, scale_dtype):
+    """Empty store buffers (codes 0, scales 1, zero points 0) for ``cap`` tokens, token axis."""
+    spec = format_spec(fmt)
+    codes = torch.zeros(b, h, cap, spec.code_width(d), dtype=spec.code_dtype)
+    scale = torch.ones(b, h, cap, d // group, dtype=scale_dtype)
+    return codes, scale, torch.zeros_like(scale) if spec.has_zero else None
 
 
 def _store(fmt, x, group, axis="token", static=None):
@@ -136,7 +145,7 @@ def test_bad_buffers_and_formats_get_one_clear_error():
 
 
 def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("CC", "no-such-compiler-kvquant")
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="kvquant"):
@@ -144,21 +153,21 @@ def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path,
     assert "no C compiler" in caplog.text and "torch path" in caplog.text
     with pytest.raises(RuntimeError, match="unavailable"):
         native.decode_attention_native(torch.randn(1, 1, 16), *[None] * 6, k_fmt="int4", v_fmt="int4", k_group=16, v_group=16, k_axis="token", start=torch.tensor([0]), end=0, scaling=1.0)  # fmt: skip
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("KVQUANT_NATIVE", "0")
     monkeypatch.delenv("CC")
     assert not native.native_available()
-    assert native._state["error"] == "disabled by KVQUANT_NATIVE=0"
+    assert build._state["error"] == "disabled by KVQUANT_NATIVE=0"
 
 
 def test_the_build_is_cached_by_source_flags_and_compiler(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
     assert native.native_available()
     built = list((tmp_path / "native").glob("decode_cpu-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(build, "_state", {})
     assert native.native_available()  # a second process reuses the file
     assert built[0].stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "native").iterdir()] == [built[0].name]  # no temp files left
@@ -185,49 +194,45 @@ def test_scales_are_read_in_their_stored_dtype(scale_dtype, axis):
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 16])
 def test_native_quantize_is_bit_exact_with_the_torch_spec(fmt, scale_dtype, group):
-    from kvquant.cache.store import TokenStore
-
     torch.manual_seed(6)
     b, h, n, d = 2, 3, 37, 64
     x = torch.randn(b, h, n, d) * torch.logspace(-6, 3, n)[None, None, :, None]  # tiny .. large rows
     x[0, 0, 0] = 0.25  # a constant group: scale 1 by the spec
     x[1, 2, 5, :16] = 0.0
     x[1, 1, 7] = 3e-8  # scales / zero points underflow to fp16 subnormals
-    store = TokenStore(fmt, group or d, "token", scale_dtype)
-    store.allocate(b, h, d, 64, torch.float32, x.device)
+    codes, scale, zero = _buffers(fmt, b, h, d, 64, group or d, scale_dtype)
     index = 5
-    assert native.quantize_into_store(store, index, x)
+    assert native.quantize_into(x, codes, scale, zero, index, fmt)
     ref = quantize(x, fmt, group_size=group, scale_dtype=scale_dtype)
-    assert torch.equal(store.codes[:, :, index : index + n], ref.codes)
-    assert torch.equal(store.scale[:, :, index : index + n], ref.scale)
+    assert torch.equal(codes[:, :, index : index + n], ref.codes)
+    assert torch.equal(scale[:, :, index : index + n], ref.scale)
     if ref.zero is not None:
-        assert torch.equal(store.zero[:, :, index : index + n], ref.zero)
-    assert (store.codes[:, :, :index] == 0).all() and (store.codes[:, :, index + n :] == 0).all()
+        assert torch.equal(zero[:, :, index : index + n], ref.zero)
+    assert (codes[:, :, :index] == 0).all() and (codes[:, :, index + n :] == 0).all()
 
 
 def test_native_quantize_refuses_what_the_spec_refuses():
-    from kvquant.cache.store import TokenStore
+    from kvquant.kernels import ops
 
-    store = TokenStore("int4", 16, "token", torch.float16)
-    store.allocate(1, 1, 16, 8, torch.float32, torch.device("cpu"))
+    buffers = _buffers("int4", 1, 1, 16, 8, 16, torch.float16)
     bad = torch.randn(1, 1, 2, 16)
     bad[0, 0, 1, 3] = float("nan")
-    assert not native.quantize_into_store(store, 0, bad)  # the caller's torch path raises
+    assert not native.quantize_into(bad, *buffers, 0, "int4")  # the caller's torch path raises
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize(bad, "int4")
     huge = torch.full((1, 1, 1, 16), 1e6)
     huge[..., 0] = -1e6
-    assert not native.quantize_into_store(store, 0, huge)  # scale beyond fp16
+    assert not native.quantize_into(huge, *buffers, 0, "int4")  # scale beyond fp16
     with pytest.raises(ValueError, match="scale_dtype"):
         quantize(huge, "int4")
-    for other in (TokenStore("fp8_e4m3", 16, "token", torch.float16), TokenStore("int4", 4, "channel", torch.float16)):  # fmt: skip
-        other.allocate(1, 1, 16, 8, torch.float32, torch.device("cpu"))
-        assert not native.quantize_into_store(other, 0, torch.randn(1, 1, 4, 16))
+    # formats / layouts it does not write: the ops take another backend
+    assert ops.backend_for("quantize_append", fmt="fp8_e4m3", head_dim=16) != "cpu"
+    assert ops.backend_for("quantize_append", fmt="int4", head_dim=16, group_size=4, axis="channel") != "cpu"
 
 
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_full_precision_tokens_join_the_same_softmax(with_mask):
-    from kvquant.attention import dense_attention, merge_partials
+    from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
 
     torch.manual_seed(7)
     b, h, g, d, t, n = 2, 2, 3, 64, 50, 7
@@ -240,9 +245,8 @@ def test_full_precision_tokens_join_the_same_softmax(with_mask):
     args = dict(k_fmt="int4", v_fmt="nuq2", k_group=64, v_group=32, k_axis="token", start=torch.tensor([0, 9]), end=t, scaling=0.125)  # fmt: skip
     kp, vp = _store("int4", k, 64), _store("nuq2", v, 32)
     s_out, s_lse = decode_attention_torch(q, *kp, *vp, **args)
-    mask = None if valid is None else valid[:, None, None, :]
-    f_out, f_lse = dense_attention(q[:, :, None], fk, fv, mask, 0.125)
-    ref = merge_partials([s_out, f_out[:, :, 0]], [s_lse, f_lse[:, :, 0]])
+    f_out, f_lse = dense_decode_attention_ref(q, fk, fv, valid, 0.125)
+    ref, _ = merge_attention([s_out, f_out], [s_lse, f_lse])
     out = torch.full_like(ref, float("nan"))
     got, _ = native.decode_attention_native(q, *kp, *vp, fp_k=fk, fp_v=fv, fp_valid=valid, out=out, **args)
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-5
@@ -254,9 +258,9 @@ def test_the_portable_c_path_matches_too(monkeypatch, tmp_path):
     import shutil as sh
 
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
-    flags = (*native.CFLAGS, "-mno-avx512f")
+    flags = (*build.CFLAGS, "-mno-avx512f")
     cc = sh.which(os.environ.get("CC", "cc"))
-    monkeypatch.setitem(native._state, "lib", native._load(native._build(cc, flags)))
+    monkeypatch.setitem(build._state, "lib", build._load(build._build(cc, flags)))
     test_every_format_pair_matches_the_torch_twin("int4", "nuq3")
     test_every_format_pair_matches_the_torch_twin("int3", "fp8_e4m3")
     test_channel_axis_keys_static_scales_and_softcap()

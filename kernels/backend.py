@@ -1,0 +1,159 @@
+"""What a backend of the kernel ops is: the calls it may be asked, and how it says what it supports.
+
+An op (:mod:`kvquant.kernels.ops`) describes each call by one small frozen record (formats, head
+size, device, scale dtypes, ...; no tensors), asks every backend in order whether it supports that
+record, and runs the first that does. A backend declares its support in one place: the device types
+it runs on (``devices``) and one ``supports_<op>`` method per op that returns ``None`` when it runs
+the call and otherwise a short reason (shown when a caller forces a backend that cannot run it).
+
+Every backend implements each op it supports with the op's one signature (see ``ops``):
+
+- ``decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_fmt, v_fmt, k_group,
+  v_group, k_axis, start, end, scaling, softcap, fp_k, fp_v, fp_valid) -> (out, lse)``; a backend
+  with ``takes_fp_tokens = False`` is never handed ``fp_k`` (the op merges them itself);
+- ``quantize_append(x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool``
+  (False: refused these values, nothing counted written; the next backend runs, the reference
+  raises the spec's error);
+- ``encode(y, fmt) -> codes``.
+
+Example:
+    >>> call = DecodeCall.of("int4", "int4", head_dim=64, device="cpu")
+    >>> call.formats
+    ('int4', 'int4')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One ``decode_attention`` call, described: what a backend needs to know to accept it."""
+
+    k_fmt: str
+    v_fmt: str
+    head_dim: int
+    device: str  # device type: "cpu", "cuda", ...
+    k_axis: str = "token"
+    k_group: int | None = None
+    v_group: int | None = None
+    k_scale_dtype: torch.dtype | None = None  # None: no scale (pass-through)
+    v_scale_dtype: torch.dtype | None = None
+    fp_tokens: bool = False  # full-precision tokens join the softmax
+
+    @property
+    def formats(self) -> tuple[str, str]:
+        return self.k_fmt, self.v_fmt
+
+    @property
+    def scale_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(t for t in (self.k_scale_dtype, self.v_scale_dtype) if t is not None)
+
+    @classmethod
+    def of(cls, k_fmt: str, v_fmt: str, *, head_dim: int, device: str = "cpu", **kw) -> DecodeCall:
+        return cls(k_fmt, v_fmt, head_dim, str(device), **kw)
+
+
+@dataclass(frozen=True)
+class QuantizeCall:
+    """One ``quantize_append`` call, described."""
+
+    fmt: str
+    head_dim: int
+    device: str
+    group_size: int
+    axis: str = "token"
+    scale_dtype: torch.dtype | None = None  # None: no scale buffer (pass-through)
+    static_scale: bool = False
+
+
+@dataclass(frozen=True)
+class EncodeCall:
+    """One ``encode`` call, described."""
+
+    fmt: str
+    head_dim: int
+    device: str
+
+
+class Backend:
+    """Base of the backends: supports nothing until a subclass says otherwise.
+
+    ``devices``: device types it runs on (``ops`` checks them); ``interpretable``: runs on CPU tensors
+    under Triton's interpreter when a caller forces it (tests), never when ``ops`` picks freely;
+    ``takes_fp_tokens``: ``decode_attention`` attends full-precision tokens in the same softmax itself.
+    """
+
+    name = "backend"
+    devices: frozenset[str] = frozenset()
+    interpretable = False
+    takes_fp_tokens = False
+
+    def available(self) -> str | None:
+        """None when the backend can run at all (built, importable), else why not."""
+        return None
+
+    def supports_decode(self, call: DecodeCall) -> str | None:
+        return f"{self.name} has no decode_attention"
+
+    def supports_quantize(self, call: QuantizeCall) -> str | None:
+        return f"{self.name} has no quantize_append"
+
+    def supports_encode(self, call: EncodeCall) -> str | None:
+        return f"{self.name} has no encode"
+
+    def __repr__(self) -> str:
+        return f"<kvquant kernels backend {self.name!r}>"
+
+
+# --------------------------------------------------------------------------------------------- deferred errors
+
+NONFINITE_INPUT = "input: key/value states contain NaN or Inf; refusing to quantize them"
+SCALE_OVERFLOW = (
+    "scale_dtype: the scale dtype cannot hold the scale/zero point of these values; "
+    "use scale_dtype 'float32' or 'bfloat16'"
+)
+_CODES = {2: NONFINITE_INPUT, 1: SCALE_OVERFLOW}  # the higher code wins
+_pending: dict[torch.device, torch.Tensor] = {}  # device -> int32 scalar: 0 ok, else the worst code
+
+
+def flag_nonfinite(
+    x: torch.Tensor, scales: tuple[torch.Tensor | None, ...] = (), *, defer: bool | None = None
+) -> None:
+    """Check what a kernel quantized without looking: ``x`` finite, the written ``scales`` finite.
+
+    On CUDA (``defer`` None) the check is a device-side flag, ORed per call and raised by
+    :func:`raise_deferred` at the next point that syncs anyway: no host sync per call. Elsewhere
+    (``defer=False``) it raises ``ValueError`` at once, as :func:`kvquant.formats.quantize` does.
+    """
+    bad_x = ~torch.isfinite(x).all()  # [] bool, on x's device
+    bad_s = torch.zeros_like(bad_x)
+    for s in scales:
+        if s is not None and s.numel():
+            bad_s = bad_s | ~torch.isfinite(s.float()).all()
+    code = torch.where(bad_x, 2, torch.where(bad_s, 1, 0)).to(torch.int32)
+    if defer is None:
+        defer = x.is_cuda
+    if not defer:
+        if int(code):
+            raise ValueError(_CODES[int(code)])
+        return
+    prev = _pending.get(x.device)
+    _pending[x.device] = code if prev is None else torch.maximum(prev, code)
+
+
+def raise_deferred(device: torch.device | str | None = None) -> None:
+    """Raise the ``ValueError`` of a deferred non-finite check (one host sync per device), then clear it.
+
+    ``device``: only that device's flag (default: every device with one).
+    """
+    want = None if device is None else torch.device(device)
+    for dev in list(_pending):
+        if want is not None and (dev.type != want.type or want.index not in (None, dev.index)):
+            continue
+        flag = _pending.pop(dev, None)
+        if flag is not None and int(flag):
+            raise ValueError(_CODES[int(flag)] + " (seen by an earlier quantize_append on " + str(dev) + ")")

@@ -1,0 +1,76 @@
+"""The C kernels as the ``cpu`` backend of :mod:`kvquant.kernels.ops`."""
+
+from __future__ import annotations
+
+import torch
+
+from kvquant.formats import format_spec
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall
+from kvquant.kernels.cpu.binding import (
+    _SCALE_DTYPES,
+    _WRITTEN_SCALE_DTYPES,
+    DECODE_FORMATS,
+    MAX_HEAD_DIM,
+    QUANTIZE_FORMATS,
+    TRELLIS_FORMATS,
+    decode_attention_native,
+    quantize_into,
+    trellis_encode_native,
+)
+from kvquant.kernels.cpu.build import native_available, native_error
+
+
+class CpuBackend(Backend):
+    """The C kernels on CPU: decode of every format with a code per element (not ``none``, not the
+    trellis codes) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call; quantize of the
+    integer formats on the token axis with computed scales; the trellis search."""
+
+    name = "cpu"
+    devices = frozenset({"cpu"})
+    takes_fp_tokens = True
+
+    def available(self) -> str | None:
+        return None if native_available() else f"C kernels unavailable: {native_error()}"
+
+    def supports_decode(self, call: DecodeCall) -> str | None:
+        if not set(call.formats) <= DECODE_FORMATS:
+            return f"reads {', '.join(sorted(DECODE_FORMATS))}"
+        if call.head_dim > MAX_HEAD_DIM:
+            return f"head_dim up to {MAX_HEAD_DIM}"
+        if not set(call.scale_dtypes) <= set(_SCALE_DTYPES):
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
+        return None
+
+    def supports_quantize(self, call: QuantizeCall) -> str | None:
+        if call.fmt in TRELLIS_FORMATS:  # scales in torch, the search in C (the spec's codes)
+            return None
+        if call.fmt not in QUANTIZE_FORMATS:
+            return f"writes {', '.join(sorted(QUANTIZE_FORMATS | TRELLIS_FORMATS))}"
+        if call.axis != "token" or call.static_scale:
+            return "computed scales along the token axis"
+        if call.scale_dtype not in _WRITTEN_SCALE_DTYPES:
+            return "scales in fp32 / fp16 / bf16"
+        return None
+
+    def supports_encode(self, call: EncodeCall) -> str | None:
+        return None if call.fmt in TRELLIS_FORMATS else f"searches {', '.join(sorted(TRELLIS_FORMATS))}"
+
+    def decode_attention(self, *tensors, **kw):
+        return decode_attention_native(*tensors, **kw)
+
+    def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
+        if fmt in TRELLIS_FORMATS:
+            from kvquant.kernels.reference import quantize_append_ref
+
+            quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=False)
+            return True
+        return quantize_into(x, codes, scale, zero, index, fmt)
+
+    def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
+        from kvquant.trellis import _TWO_PASS_FROM, TRELLIS_STATE_BITS, trellis_table
+
+        bits = format_spec(fmt).bits
+        return trellis_encode_native(y, bits, TRELLIS_STATE_BITS[bits], trellis_table(bits), _TWO_PASS_FROM)
+
+
+BACKEND = CpuBackend()

@@ -1,0 +1,275 @@
+"""The C kernels' calls, tensor side: operands described for ``kvq_decode``, ``kvq_quantize`` and
+``kvq_trellis_encode`` (pointers into the store's own buffers, no copies, no conversions).
+
+Same operands and results as :func:`kvquant.kernels.chunked.decode_attention_torch` (the torch twin
+the tests compare it with), :func:`kvquant.formats.quantize` (bit-exact) and the torch trellis
+search (the same codes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvquant.formats import FORMAT_NAMES, format_spec
+from kvquant.kernels.cpu.build import _library, _Operand, native_error
+
+MAX_HEAD_DIM = 512
+
+
+def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
+    """Whether the kernel reads both formats (every quantized format but the trellis codes; not
+    ``none``) at this head size (up to ``MAX_HEAD_DIM``)."""
+    return k_fmt in DECODE_FORMATS and v_fmt in DECODE_FORMATS and head_dim <= MAX_HEAD_DIM
+
+
+_LUTS: dict[str, torch.Tensor] = {}
+
+
+def _lut(fmt: str) -> torch.Tensor | None:
+    """fp32 table code -> level for fp8 and codebook formats; None where the code is the level."""
+    spec = format_spec(fmt)
+    if spec.kind not in ("float", "codebook"):
+        return None
+    if fmt not in _LUTS:
+        if spec.kind == "codebook":  # padded to 16 entries: the kernel loads one 16-lane vector
+            levels = spec.levels.float()
+            _LUTS[fmt] = torch.cat([levels, levels.new_zeros(16 - levels.numel())]).contiguous()
+        else:
+            _LUTS[fmt] = torch.arange(256, dtype=torch.uint8).view(spec.code_dtype).float().contiguous()
+    return _LUTS[fmt]
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Element strides of dims 0..2, 0 where the dim broadcasts (size 1)."""
+    st, sh = t.stride(), t.shape
+    return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
+
+
+# what kvq_decode reads (a code per element: integers, fp8 and codebooks) and kvq_quantize writes
+DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind not in ("passthrough", "trellis"))
+QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind in ("int_sym", "int_asym"))
+TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind == "trellis")
+_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
+_WRITTEN_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # kvq_quantize rounds into these
+
+
+def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
+    """Describe one operand from token ``lo`` on: pointers into the store's own buffers (no slice,
+    no conversion; the kernel reads fp16 / bf16 scales itself). Tensors used go to ``keep``."""
+    spec = format_spec(fmt)
+    if codes.stride(-1) != 1:
+        codes = codes.contiguous()
+    keep.append(codes)
+    sb, sh, st = _strides(codes)  # 1-byte codes: element strides are byte strides
+    lut = _lut(fmt)
+    op = _Operand(codes.data_ptr() + lo * codes.stride(2), sb, sh, st)
+    op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.kind == "int_sym"), 1, 1
+    op.lut = None if lut is None else lut.data_ptr()
+    if scale is None:
+        return op
+    static = scale.shape[0] == 1 and scale.shape[2] == 1 and scale.shape[3] == 1
+    if axis == "channel" and not static:
+        row0 = lo // group
+        op.channel_axis, op.group = 1, group
+    else:
+        row0 = 0 if static else lo
+        op.n_groups = scale.shape[-1]
+    op.scale_dtype = _SCALE_DTYPES[scale.dtype]
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t is None:
+            continue
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            t = t.contiguous()
+        keep.append(t)
+        sb, sh, st = _strides(t)
+        setattr(op, name, t.data_ptr() + row0 * t.stride(2) * t.element_size())
+        setattr(op, f"{name}_sb", sb)
+        setattr(op, f"{name}_sh", sh)
+        setattr(op, f"{name}_st", st)
+    return op
+
+
+# below this many (row, head, token) triples a second thread costs more than it saves
+THREAD_MIN_WORK = 4096
+
+
+def _threads(work: int) -> int:
+    """Threads for a call: torch's intra-op thread count for big enough work, else one."""
+    return max(1, torch.get_num_threads()) if work >= THREAD_MIN_WORK else 1
+
+
+def _fp_operand(x: torch.Tensor, keep: list) -> _Operand:
+    """Full-precision rows ``x [B, Hkv, n, D]`` as a 32-bit operand (byte strides, no scales)."""
+    x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    keep.append(x)
+    op = _Operand(codes=x.data_ptr(), bits=32, n_groups=1, group=1)
+    op.code_sb, op.code_sh, op.code_st = (4 * s for s in _strides(x))
+    return op
+
+
+def decode_attention_native(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    *,
+    k_fmt: str,
+    v_fmt: str,
+    k_group: int,
+    v_group: int,
+    k_axis: str,
+    start: torch.Tensor,
+    end: int,
+    scaling: float,
+    softcap: float | None = None,
+    threads: int | None = None,
+    fp_k: torch.Tensor | None = None,
+    fp_v: torch.Tensor | None = None,
+    fp_valid: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvquant.kernels.chunked.decode_attention_torch` in C (CPU tensors; see there for shapes).
+
+    ``fp_k / fp_v [B, Hkv, n, D]`` with ``fp_valid [B, n]`` (bool; None: all valid): full-precision
+    tokens (sinks, residual, the new token) attended in the same softmax where valid, so the result is the whole
+    attention and needs no merge. ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
+    ``out [B, Hq, D]`` / ``lse [B, Hq]``: fp32 contiguous buffers to write into (default: new).
+    Raises ``RuntimeError`` when the kernel is unavailable (check :func:`native_available`) and
+    ``ValueError`` for a format it does not read.
+
+    Example:
+        >>> out, lse = decode_attention_native(q, *k_parts, *v_parts, k_fmt="int4", v_fmt="int4",
+        ...     k_group=64, v_group=64, k_axis="token", start=torch.zeros(1, dtype=torch.long),
+        ...     end=k_parts[0].shape[2], scaling=0.125)
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"native CPU decode kernel unavailable: {native_error()}")
+    if not native_formats_ok(k_fmt, v_fmt, q.shape[-1]):
+        raise ValueError(
+            f"k_fmt / v_fmt / head_dim: the native kernel reads quantized formats at head_dim <= "
+            f"{MAX_HEAD_DIM}, got {k_fmt!r} / {v_fmt!r} at {q.shape[-1]}"
+        )
+    b, hq, d = q.shape
+    hkv = k_codes.shape[1]
+    g = hq // hkv
+    qf = q.float().contiguous()  # [B, Hq, D] = [B, Hkv, G, D]
+    out = torch.empty(b, hq, d, dtype=torch.float32) if out is None else out
+    lse = torch.empty(b, hq, dtype=torch.float32) if lse is None else lse
+    for name, t, shape in (("out", out, (b, hq, d)), ("lse", lse, (b, hq))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: expected a contiguous float32 tensor of shape {shape}, got {tuple(t.shape)} {t.dtype}"
+            )
+    if b == 0:
+        return out, lse
+    if start.dtype != torch.int64:
+        start = start.to(torch.int64)
+    block = k_group if k_axis == "channel" else 1
+    lo = max(0, min(int(start.min()), end) // block * block)
+    keep: list = []
+    k_op = _operand(k_codes, k_scale, k_zero, k_fmt, k_group, k_axis, lo, keep)
+    v_op = _operand(v_codes, v_scale, v_zero, v_fmt, v_group, "token", lo, keep)
+    rel_start = (start - lo).contiguous()
+    n_fp, fk, fv, valid = 0, None, None, None
+    if fp_k is not None and fp_k.shape[2] > 0:
+        n_fp = fp_k.shape[2]
+        fk, fv = ctypes.byref(_fp_operand(fp_k, keep)), ctypes.byref(_fp_operand(fp_v, keep))
+        if fp_valid is not None:
+            valid = fp_valid.to(torch.uint8).contiguous()
+            keep.append(valid)
+    rc = lib.kvq_decode(
+        qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), rel_start.data_ptr(),
+        end - lo, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
+        _threads(b * hkv * (end - lo)) if threads is None else threads,
+        fk, fv, None if valid is None else valid.data_ptr(), n_fp,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("native CPU decode kernel: out of memory")
+    return out, lse
+
+
+def native_quantizes(store, x: torch.Tensor) -> bool:
+    """Whether :func:`quantize_into_store` applies: CPU, integer formats along the token axis with
+    computed scales, a scale dtype the kernel writes, and the kernel built."""
+    return (
+        not x.is_cuda
+        and store.axis == "token"
+        and store.static_scale is None
+        and store.fmt in QUANTIZE_FORMATS
+        and store.scale_dtype in _WRITTEN_SCALE_DTYPES
+        and _library() is not None
+    )
+
+
+def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
+    """Quantize ``x [B, H, n, D]`` into ``store`` (a :class:`kvquant.store.TokenStore`) at buffer
+    index ``index``, in place, with the C twin of :func:`kvquant.formats.quantize` (bit-exact).
+
+    Returns False, writing nothing the store counts, where the kernel does not apply (see
+    :func:`native_quantizes`) or the input is one the spec refuses; the caller then takes the torch
+    path, which raises the spec's error for such inputs.
+    """
+    if not native_quantizes(store, x):
+        return False
+    return quantize_into(x, store.codes, store.scale, store.zero, index, store.fmt)
+
+
+def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
+    """``kvq_quantize``: ``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` /
+    ``zero [B, H, cap, D / G]`` at buffer index ``index`` (an integer format of
+    ``QUANTIZE_FORMATS``, token axis, fp32 / fp16 / bf16 scales, CPU, the kernel built). False where
+    the spec refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted written."""
+    spec = format_spec(fmt)
+    xf = x.float()
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    b, h, n, d = xf.shape
+    zero = zero if zero is not None else scale
+    cs, ss, xs = _strides(codes), _strides(scale), _strides(xf)
+    rc = _library().kvq_quantize(
+        xf.data_ptr(), b, h, n, d, *xs,
+        codes.data_ptr() + index * codes.stride(2), *cs,
+        scale.data_ptr() + index * scale.stride(2) * scale.element_size(),
+        zero.data_ptr() + index * zero.stride(2) * zero.element_size(), *ss,
+        _SCALE_DTYPES[scale.dtype], spec.bits, int(spec.kind == "int_sym"), scale.shape[-1],
+    )  # fmt: skip
+    if rc < 0:
+        raise MemoryError("native CPU quantize kernel: out of memory")
+    return rc == 0
+
+
+def trellis_encode_native(
+    y: torch.Tensor, bits: int, state_bits: int, table: torch.Tensor, two_pass_from: int
+):
+    """Codes ``[N, D]`` (uint8) of :func:`kvquant.trellis.trellis_encode` for CPU ``y[N, D]``, from the C
+    twin (the same codes), or None where it does not apply (not on CPU, or no kernel built)."""
+    lib = _library()
+    if y.is_cuda or lib is None:
+        return None
+    yc = y.float().contiguous()
+    tc = table.float().contiguous()
+    n, d = yc.shape
+    codes = torch.empty(n, d, dtype=torch.uint8)
+    rc = lib.kvq_trellis_encode(
+        yc.data_ptr(),
+        n,
+        d,
+        tc.data_ptr(),
+        bits,
+        state_bits,
+        two_pass_from,
+        codes.data_ptr(),
+        _threads(n * 16),
+    )
+    if rc < 0:
+        raise MemoryError("native CPU trellis encoder: out of memory")
+    return codes

@@ -1,0 +1,85 @@
+"""The Triton kernels as a backend of :mod:`kvquant.kernels.ops` (CUDA; the interpreter when forced).
+
+Decode reads ``none``, ``int8``, ``int4``, ``int2`` and the fp8 formats at power-of-two head sizes
+from 16 on, with fp32 / fp16 / bf16 scales; quantize writes the same formats (head size and group
+size powers of two), bit-identical to :func:`kvquant.formats.quantize`. The kernel does not look at
+what it quantizes: NaN / Inf inputs and scales the dtype cannot hold are caught by a device-side
+flag (:func:`kvquant.kernels.backend.flag_nonfinite`), raised at the next
+:func:`kvquant.kernels.ops.raise_deferred` (no host sync per call); under the interpreter at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvquant.formats import FORMAT_NAMES, format_spec
+from kvquant.kernels.backend import Backend, DecodeCall, QuantizeCall, flag_nonfinite
+
+try:
+    import triton  # noqa: F401
+
+    _IMPORT_ERROR = None
+except ImportError as err:  # pragma: no cover - triton is a linux dependency
+    _IMPORT_ERROR = str(err)
+
+# a code per element the kernels unpack with one shift and mask (not 3-bit planes, not tables)
+FORMATS = frozenset(
+    n
+    for n in FORMAT_NAMES
+    if format_spec(n).kind in ("passthrough", "int_sym", "int_asym", "float") and format_spec(n).bits != 3
+)
+SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+def _pow2(n: int | None) -> bool:
+    return n is not None and n > 0 and n & (n - 1) == 0
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    devices = frozenset({"cuda"})
+    interpretable = True
+
+    def available(self) -> str | None:
+        return None if _IMPORT_ERROR is None else f"triton not importable: {_IMPORT_ERROR}"
+
+    def supports_decode(self, call: DecodeCall) -> str | None:
+        if not set(call.formats) <= FORMATS:
+            return f"reads {', '.join(sorted(FORMATS))}"
+        if not (_pow2(call.head_dim) and call.head_dim >= 16):
+            return "head_dim a power of two >= 16"
+        if not set(call.scale_dtypes) <= SCALE_DTYPES:
+            return "scales in fp32 / fp16 / bf16"
+        return None
+
+    def supports_quantize(self, call: QuantizeCall) -> str | None:
+        if call.fmt not in FORMATS:
+            return f"writes {', '.join(sorted(FORMATS))}"
+        if not (_pow2(call.head_dim) and _pow2(call.group_size)):
+            return "head_dim and group_size powers of two"
+        if call.scale_dtype is not None and call.scale_dtype not in SCALE_DTYPES:
+            return "scales in fp32 / fp16 / bf16"
+        return None
+
+    def decode_attention(self, *tensors, **kw):
+        from kvquant.kernels.triton.decode_attention import quantized_decode_attention
+
+        return quantized_decode_attention(*tensors, **kw)
+
+    def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
+        from kvquant.kernels.triton.quantize import quantize_append
+
+        quantize_append(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
+        if scale is None:  # pass-through: a copy
+            return True
+        n, block = x.shape[2], (group_size if axis == "channel" else 1)
+        rows = (
+            ()
+            if static_scale
+            else tuple(t[:, :, index // block : (index + n) // block] for t in (scale, zero) if t is not None)
+        )
+        flag_nonfinite(x, rows)
+        return True
+
+
+BACKEND = TritonBackend()

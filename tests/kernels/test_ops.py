@@ -1,0 +1,327 @@
+"""``kvquant.kernels.ops``: one dispatch per op, every backend against the reference.
+
+- ``backend_for`` names the backend a call takes (triton > cpu > chunked > reference);
+- ``quantize_append`` writes the codes / scales / zero points of ``formats.quantize`` on every
+  format, into poisoned buffers (an unwritten or stray element fails);
+- ``decode_attention`` on every backend that runs a format pair equals the reference; the two torch
+  references (dequantize-then-attend and the chunked fold) equal each other on every format;
+- full-precision tokens: one call equals one softmax over the dequantized store and those tokens,
+  for a backend that takes them (C) and one that does not (chunked, merged inside ``ops``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvquant.formats import FORMAT_NAMES, QuantizedBlock, dequantize, format_spec, quantize
+from kvquant.kernels import ops
+from kvquant.kernels.backend import flag_nonfinite, raise_deferred
+from kvquant.kernels.cpu import native_available
+from kvquant.kernels.reference import (
+    dense_decode_attention_ref,
+    merge_attention,
+    quantized_decode_attention_ref,
+)
+
+QUANTIZED = [f for f in FORMAT_NAMES if f != "none"]
+HAS_C = native_available()
+
+
+def _store(x, fmt, group, axis="token", scale_dtype=torch.float16, static=None):
+    """``(codes, scale, zero)`` of ``x[B, H, T, D]`` as a store holds them at indices ``[0, T)``."""
+    q = quantize(x, fmt, group_size=group, axis=axis, scale_dtype=scale_dtype, static_scale=static)
+    return q.codes, q.scale, q.zero
+
+
+def _close(got, ref, rel=1e-4):
+    (go, gl), (ro, rl) = got, ref
+    assert go.shape == ro.shape and gl.shape == rl.shape
+    assert not torch.isnan(go).any() and not torch.isnan(gl).any()
+    scale = ro.abs().max().clamp_min(1e-6)
+    assert ((go - ro).abs().max() / scale).item() <= rel
+    finite = torch.isfinite(rl)
+    assert torch.equal(finite, torch.isfinite(gl))
+    if finite.any():
+        assert (gl[finite] - rl[finite]).abs().max().item() <= rel * max(1.0, rl[finite].abs().max().item())
+
+
+# --------------------------------------------------------------------------------------------- which backend
+
+
+def test_backend_for_names_the_expected_backend():
+    c = "cpu" if HAS_C else "chunked"
+    assert ops.backend_for("decode_attention", fmt="int4", head_dim=64) == c
+    assert ops.backend_for("decode_attention", fmt="tcq2", head_dim=64) == "chunked"
+    assert ops.backend_for("decode_attention", fmt="none", head_dim=64) == "chunked"
+    assert ops.backend_for("decode_attention", k_fmt="int4", v_fmt="tcq3", head_dim=64) == "chunked"
+    assert ops.backend_for("decode_attention", fmt="int4", head_dim=1024) == "chunked"  # C: up to 512
+    assert ops.backend_for("quantize_append", fmt="int4", head_dim=64) == ("cpu" if HAS_C else "reference")
+    assert ops.backend_for("quantize_append", fmt="int4", head_dim=64, axis="channel") == "reference"
+    assert ops.backend_for("quantize_append", fmt="nuq4", head_dim=64) == "reference"
+    assert ops.backend_for("encode", fmt="tcq2", head_dim=64) == ("cpu" if HAS_C else "reference")
+    assert ops.backend_for("encode", fmt="nuq2", head_dim=64) == "reference"
+    pytest.importorskip("triton")
+    for fmt in ("int8", "int4", "int2", "fp8_e5m2", "none"):  # described, no GPU needed
+        assert ops.backend_for("decode_attention", fmt=fmt, head_dim=128, device="cuda") == "triton"
+        assert ops.backend_for("quantize_append", fmt=fmt, head_dim=128, device="cuda") == "triton"
+    assert ops.backend_for("decode_attention", fmt="nuq4", head_dim=128, device="cuda") == "chunked"
+    assert ops.backend_for("decode_attention", fmt="int4", head_dim=96, device="cuda") == "chunked"
+    assert ops.backend_for("quantize_append", fmt="int3", head_dim=128, device="cuda") == "reference"
+    fp8_scales = dict(head_dim=128, device="cuda", scale_dtype=torch.float8_e4m3fn)
+    assert ops.backend_for("quantize_append", fmt="int8", **fp8_scales) == "reference"
+
+
+def test_bad_calls_get_one_clear_error():
+    with pytest.raises(ValueError, match="op_name: unknown op"):
+        ops.backend_for("attend", fmt="int4")
+    with pytest.raises(ValueError, match="call: unknown fields"):
+        ops.backend_for("encode", fmt="tcq2", heads=4)
+    with pytest.raises(ValueError, match="backend: unknown backend 'gpu'; allowed: triton, cpu"):
+        ops.encode(torch.randn(2, 64), "tcq2", backend="gpu")
+    with pytest.raises(ValueError, match=r"backend: chunked cannot run this encode"):
+        ops.encode(torch.randn(2, 64), "tcq2", backend="chunked")
+    with pytest.raises(ValueError, match="fmt: encode searches codebook and trellis codes"):
+        ops.encode(torch.randn(2, 64), "int4")
+
+
+# --------------------------------------------------------------------------------------------- quantize
+
+
+def _buffers(fmt, b, h, cap, d, g, axis, scale_dtype, static=None, dtype=torch.float32):
+    """Store buffers, poisoned: codes 0xA5 (``none``: NaN in ``dtype``), scales / zero points NaN."""
+    spec = format_spec(fmt)
+    if spec.code_dtype is None:
+        return torch.full((b, h, cap, d), float("nan"), dtype=dtype), None, None
+    codes = torch.full((b, h, cap, spec.code_width(d)), 0xA5, dtype=torch.uint8).view(spec.code_dtype)
+    if static is not None:
+        return codes, static.to(scale_dtype).view(1, h, 1, 1), None
+    rows, cols = (cap // g, d) if axis == "channel" else (cap, d // g)
+    scale = torch.full((b, h, rows, cols), float("nan"), dtype=scale_dtype)
+    return codes, scale, torch.full_like(scale, float("nan")) if spec.has_zero else None
+
+
+def _bits(t):
+    return (
+        t.view(torch.uint8)
+        if t.element_size() == 1
+        else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    )
+
+
+def _check_append(x, fmt, g, axis="token", scale_dtype=torch.float16, index=8, static=None, backend=None):
+    b, h, n, d = x.shape
+    cap = index + n + 8
+    codes, scale, zero = _buffers(fmt, b, h, cap, d, g, axis, scale_dtype, static, x.dtype)
+    poisoned = [None if t is None else t.clone() for t in (codes, scale, zero)]
+    ops.quantize_append(
+        x,
+        codes,
+        scale,
+        zero,
+        index,
+        fmt=fmt,
+        group_size=g,
+        axis=axis,
+        static_scale=static is not None,
+        backend=backend,
+    )
+    want = quantize(x, fmt, group_size=g, axis=axis, scale_dtype=scale_dtype, static_scale=static)
+    blk = g if axis == "channel" else 1
+    for got, old, ref, block in ((codes, poisoned[0], want.codes, 1), (scale, poisoned[1], want.scale, blk), (zero, poisoned[2], want.zero, blk)):  # fmt: skip
+        if got is None:
+            assert ref is None or static is not None
+            continue
+        if static is not None and got is scale:
+            assert torch.equal(_bits(got), _bits(old))  # read, not written
+            continue
+        r0, r1 = index // block, (index + n) // block
+        if format_spec(fmt).code_dtype is None:
+            assert torch.equal(got[:, :, r0:r1], ref)
+        else:
+            assert torch.equal(_bits(got[:, :, r0:r1]), _bits(ref)), f"{fmt} {axis} {scale_dtype}"
+        outside = torch.cat([_bits(got[:, :, :r0]), _bits(got[:, :, r1:])], dim=2)
+        expect = torch.cat([_bits(old[:, :, :r0]), _bits(old[:, :, r1:])], dim=2)
+        assert torch.equal(outside, expect), "written outside [index, index + n)"
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_quantize_append_writes_the_spec_codes(fmt, scale_dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 11, 64) * torch.logspace(-2, 2, 11)[None, None, :, None]
+    if scale_dtype == torch.float8_e4m3fn and format_spec(fmt).has_zero:
+        x = x / 100  # 8-bit zero points hold small values only
+    _check_append(x, fmt, 32, scale_dtype=scale_dtype)
+    _check_append(x.to(torch.bfloat16), fmt, 64, scale_dtype=scale_dtype, index=0)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2"])
+def test_quantize_append_channel_axis_and_static_scales(fmt):
+    torch.manual_seed(1)
+    x = torch.randn(2, 2, 32, 64)
+    _check_append(x, fmt, 16, axis="channel", index=16)
+    if format_spec(fmt).takes_static_scale:
+        _check_append(x, fmt, 64, static=torch.tensor([0.01, 0.02]), index=3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "tcq2"])
+def test_every_quantize_backend_writes_the_same_codes(backend, fmt):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(2)
+    x = torch.randn(1, 2, 9, 64)
+    try:
+        _check_append(x, fmt, 32, backend=backend)
+    except ValueError as err:
+        assert "cannot run" in str(err)
+        if backend == "cpu" and HAS_C or backend == "triton" and fmt != "tcq2":
+            raise
+
+
+@pytest.mark.parametrize("backend", [None, "reference", "cpu", "triton"])
+@pytest.mark.parametrize("fmt", ["int4", "nuq3", "tcq2"])
+def test_nan_input_raises_the_spec_error(backend, fmt):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x = torch.randn(1, 1, 4, 32)
+    x[0, 0, 2, 5] = float("nan")
+    codes, scale, zero = _buffers(fmt, 1, 1, 8, 32, 32, "token", torch.float16)
+    with pytest.raises(ValueError) as err:
+        ops.quantize_append(x, codes, scale, zero, 0, fmt=fmt, group_size=32, backend=backend)
+    if "cannot run" not in str(err.value):  # (a forced backend that does not run this format)
+        assert str(err.value).startswith("input: key/value states contain NaN or Inf")
+
+
+def test_deferred_flags_raise_at_the_next_sync_point_once():
+    bad = torch.tensor([1.0, float("inf")])
+    flag_nonfinite(torch.ones(2), (torch.ones(1),), defer=True)
+    raise_deferred()  # nothing flagged
+    flag_nonfinite(torch.ones(2), (bad,), defer=True)
+    flag_nonfinite(bad, (), defer=True)
+    with pytest.raises(ValueError, match="input: key/value states contain NaN or Inf"):  # the worst one
+        raise_deferred("cpu")
+    raise_deferred()  # cleared
+    flag_nonfinite(torch.ones(2), (bad,), defer=True)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        raise_deferred()
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+PAIRS = [
+    ("int4", "int4"),
+    ("int8", "fp8_e4m3"),
+    ("int2", "int2"),
+    ("fp8_e5m2", "int8"),
+    ("none", "none"),
+    ("int3", "nuq4"),
+    ("nuq2", "nuq3"),
+    ("tcq3", "tcq2"),
+]
+
+
+def _decode_case(k_fmt, v_fmt, *, b=2, hkv=2, gq=3, t=63, d=64, k_group=32, v_group=64, k_axis="token", seed=0, static=None):  # fmt: skip
+    torch.manual_seed(seed)
+    k, v = torch.randn(b, hkv, t, d) * 2 + 0.3, torch.randn(b, hkv, t, d)
+    q = torch.randn(b, hkv * gq, d)
+    kp = _store(k, k_fmt, k_group, k_axis, static=static)
+    vp = _store(v, v_fmt, v_group, static=static)
+    start = torch.tensor([0, t // 2, t - 1, t][:b])
+    args = dict(k_fmt=k_fmt, v_fmt=v_fmt, k_group=k_group, v_group=v_group, k_axis=k_axis, start=start, end=t, scaling=d**-0.5)  # fmt: skip
+    return (q, *kp, *vp), args
+
+
+@pytest.mark.parametrize(("k_fmt", "v_fmt"), PAIRS)
+@pytest.mark.parametrize("backend", ["triton", "cpu", "chunked"])
+def test_every_decode_backend_equals_the_reference(k_fmt, v_fmt, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    tensors, args = _decode_case(k_fmt, v_fmt, t=40 if backend == "triton" else 63)
+    ref = quantized_decode_attention_ref(*tensors, **args)
+    try:
+        got = ops.decode_attention(*tensors, **args, backend=backend)
+    except ValueError as err:
+        assert "cannot run" in str(err)
+        return
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("t", [1, 63, 130])
+@pytest.mark.parametrize("gq", [1, 3])
+def test_the_two_references_agree_on_every_format(fmt, t, gq):
+    from kvquant.kernels.chunked import decode_attention_torch
+
+    tensors, args = _decode_case(fmt, fmt, t=t, gq=gq, b=3, seed=t)
+    ref = quantized_decode_attention_ref(*tensors, **args)
+    _close(decode_attention_torch(*tensors, **args, chunk=32), ref)
+    _close(decode_attention_torch(*tensors, **args), ref)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_two_references_agree_on_static_scales(fmt):
+    from kvquant.kernels.chunked import decode_attention_torch
+
+    tensors, args = _decode_case(fmt, fmt, t=70, static=torch.tensor([0.05, 0.03]), k_group=64)
+    ref = quantized_decode_attention_ref(*tensors, **args)
+    _close(decode_attention_torch(*tensors, **args, chunk=32), ref)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int3", "int2", "fp8_e5m2"])
+@pytest.mark.parametrize("t", [32, 128])
+def test_the_two_references_agree_on_channel_axis_keys(fmt, t):
+    from kvquant.kernels.chunked import decode_attention_torch
+
+    tensors, args = _decode_case(fmt, "int4", t=t, k_axis="channel", k_group=16, seed=t)
+    ref = quantized_decode_attention_ref(*tensors, **args)
+    _close(decode_attention_torch(*tensors, **args, chunk=48), ref)
+
+
+def _one_softmax(tensors, args, fp_k, fp_v, valid):
+    """Attention over the dequantized store and the full-precision tokens in one softmax."""
+    q, kc, ks, kz, vc, vs, vz = tensors
+    d = q.shape[-1]
+    k = dequantize(QuantizedBlock(kc, ks, kz), args["k_fmt"], head_dim=d, group_size=args["k_group"], axis=args["k_axis"])  # fmt: skip
+    v = dequantize(QuantizedBlock(vc, vs, vz), args["v_fmt"], head_dim=d, group_size=args["v_group"])
+    pos = torch.arange(k.shape[2])
+    store_valid = (pos[None, :] >= args["start"][:, None]) & (pos[None, :] < args["end"])
+    fp_valid = torch.ones(fp_k.shape[0], fp_k.shape[2], dtype=torch.bool) if valid is None else valid
+    return dense_decode_attention_ref(
+        q,
+        torch.cat([k, fp_k], 2),
+        torch.cat([v, fp_v], 2),
+        torch.cat([store_valid, fp_valid], 1),
+        args["scaling"],
+    )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "chunked", "reference"])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_full_precision_tokens_join_the_same_softmax(backend, with_mask):
+    if backend == "cpu" and not HAS_C:
+        pytest.skip("no C compiler")
+    tensors, args = _decode_case("int4", "nuq2", t=50, k_group=64, v_group=32, seed=7)
+    b, hkv, n, d = 2, 2, 7, 64
+    fk, fv = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    valid = torch.rand(b, n) > 0.3 if with_mask else None
+    if valid is not None:
+        valid[:, -1] = True  # the new token always counts
+    want = _one_softmax(tensors, args, fk, fv, valid)
+    got = ops.decode_attention(*tensors, **args, fp_k=fk, fp_v=fv, fp_valid=valid, backend=backend)
+    _close(got, want)
+    # and: store partial merged with the dense partial
+    store = quantized_decode_attention_ref(*tensors, **args)
+    dense = dense_decode_attention_ref(tensors[0], fk, fv, valid, args["scaling"])
+    _close(got, merge_attention([store[0], dense[0]], [store[1], dense[1]]))
+
+
+def test_an_empty_store_range_leaves_the_full_precision_tokens():
+    tensors, args = _decode_case("int4", "int4", t=8, k_group=64)
+    args["start"] = torch.tensor([8, 8])
+    fk, fv = torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64)
+    out, lse = ops.decode_attention(*tensors, **args)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    got = ops.decode_attention(*tensors, **args, fp_k=fk, fp_v=fv, backend="chunked")
+    _close(got, dense_decode_attention_ref(tensors[0], fk, fv, None, args["scaling"]))
