@@ -23,9 +23,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -42,6 +40,7 @@ from kvquant.eval.config import EvalConfig, EvalError, load_config
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.decode import compare, simulated_logprobs, teacher_forced_logprobs
 from kvquant.eval.memory import measure_memory
+from kvquant.eval.records import RecordStore, claim_folder, write_json
 from kvquant.eval.report import environment, markdown_table
 from kvquant.eval.retrieval import passkey_accuracy
 from kvquant.eval.speed import measure_speed, with_ratios
@@ -146,31 +145,6 @@ def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[in
             )
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    records = []
-    if not path.is_file():
-        return records
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by an interruption: that config is redone
-            logger.warning("results.jsonl: skipping an unreadable line")
-    return records
-
-
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------------------------ run
 
 
@@ -226,12 +200,10 @@ def run_eval(
     name = cfg.output.name or _label(f"{Path(model_label).name}-{corpus_label}-{q.mode}-{identity}")
     run_dir = Path(cfg.output.dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    stamp = run_dir / "run.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("identity") != identity:
-        raise EvalError(
-            f"output: {str(run_dir)!r} holds a run of another configuration; choose another output.name"
-        )
-    write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    refusal = EvalError(
+        f"output: {str(run_dir)!r} holds a run of another configuration; choose another output.name"
+    )
+    claim_folder(run_dir / "run.json", identity, fingerprint, refusal)
     (run_dir / "config.yaml").write_text(
         yaml.safe_dump(
             {**cfg.to_dict(), "resolved_caches": {s.name: s.settings for s in specs}}, sort_keys=False
@@ -262,15 +234,14 @@ def run_eval(
     bar = partial(progress_bar, enabled=cfg.progress)
     ctx = EvalContext(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar)
 
-    jsonl = run_dir / "results.jsonl"
-    done = {r["key"]: r for r in read_records(jsonl)}
-    skipped = [s.name for s in specs if s.key in done]
+    store = RecordStore(run_dir / "results.jsonl", key="key")
+    done = store.records
+    skipped = [s.name for s in specs if s.key in store]
     for s in skipped:
         logger.info("%s: finished in an earlier run, skipped", s)
-    for spec in bar([s for s in specs if s.key not in done], desc="caches"):
+    for spec in bar([s for s in specs if s.key not in store], desc="caches"):
         record = ctx.evaluate(spec)
-        append_record(jsonl, record)
-        done[spec.key] = record
+        store.add(record)
         logger.info("%s: done in %.1f s", spec.name, record["seconds"])
 
     order = [s.key for s in specs]

@@ -53,16 +53,14 @@ from kvquant.eval.caches import (
 from kvquant.eval.config import CorpusSection, EvalError
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.memory import PeakMemory
+from kvquant.eval.records import RecordStore, claim_folder, write_json
 from kvquant.eval.report import environment
 from kvquant.eval.runner import (
     EvalContext,
-    append_record,
     load_eval_model,
     model_fingerprint,
     model_max_context,
     progress_bar,
-    read_records,
-    write_json,
 )
 from kvquant.eval.speed import measure_speed, prompt_tokens, time_once, with_ratios
 from kvquant.eval.sweep_config import (  # noqa: F401  (re-exported: the sweep's public API)
@@ -149,8 +147,8 @@ def _oom(exc: BaseException) -> dict[str, Any]:
 class _ModelRun:
     """The pieces of one model: quality per cache, memory and speed per grid point."""
 
-    def __init__(self, cfg, label, specs, done, jsonl, model_dir, model, tok, corpus_section, corpus):
-        self.cfg, self.label, self.specs, self.done, self.jsonl = cfg, label, specs, done, jsonl
+    def __init__(self, cfg, label, specs, store, model_dir, model, tok, corpus_section, corpus):
+        self.cfg, self.label, self.specs, self.store, self.done = cfg, label, specs, store, store.records
         self.model, self.tok = model, tok
         self.bar = partial(progress_bar, enabled=cfg.progress)
         self.measured = 0
@@ -193,8 +191,7 @@ class _ModelRun:
             kind: data,
             "seconds": seconds,
         }
-        append_record(self.jsonl, record)
-        self.done[rid] = record
+        self.store.add(record)
         self.measured += 1
 
     def quality(self) -> None:
@@ -338,13 +335,11 @@ def run_sweep(
     out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
     out.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, corpus, fingerprint)
-    stamp = out / "sweep.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("identity") != identity:
-        raise SweepError(
-            f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
-            "choose another --out (the grid and the caches may change between runs, not those)"
-        )
-    write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    refusal = SweepError(
+        f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
+        "choose another --out (the grid and the caches may change between runs, not those)"
+    )
+    claim_folder(out / "sweep.json", identity, fingerprint, refusal)
     (out / "config.yaml").write_text(
         yaml.safe_dump(
             {
@@ -355,8 +350,8 @@ def run_sweep(
             sort_keys=False,
         )
     )
-    jsonl = out / "results.jsonl"
-    done = {r["id"]: r for r in read_records(jsonl) if "id" in r}
+    store = RecordStore(out / "results.jsonl", key="id")
+    done = store.records
     grid = [(c, b) for c in sorted(cfg.grid.contexts) for b in sorted(cfg.grid.batches)]
     skipped = measured = 0
     model_configs: dict[str, Any] = {}
@@ -389,7 +384,7 @@ def run_sweep(
                 spec.build(m)
             except (ValueError, ImportError) as exc:
                 raise SweepError(f"caches: {spec.name!r}: {' '.join(str(exc).split())}") from None
-        run = _ModelRun(cfg, label, specs, done, jsonl, model_dir, m, tok, corpus_section, corpus)
+        run = _ModelRun(cfg, label, specs, store, model_dir, m, tok, corpus_section, corpus)
         try:
             run.quality()
             for context, batch in run.bar(grid, desc=f"{label} grid"):
