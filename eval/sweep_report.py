@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvquant.eval.caches import CacheSpec
+from kvquant.eval.report import cell, table
 
 CSV_FIELDS = (
     "model",
@@ -338,49 +339,37 @@ def capacity(cfg, specs: list[CacheSpec], model_config: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ markdown
 
 
-def _f(value: Any, fmt: str) -> str:
-    if value is None:
-        return "–"
-    return format(value, fmt)
-
-
 def points_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the points, one row each."""
     head = ["model", "cache", "context", "batch", "bits/elem", "bits @16-bit", "B/token", "peak MiB"]
-    head += ["prefill ms"]
-    head += ["decode tok/s", "decode × dyn", "KL mean", "Δppl %", "top-1"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
+    head += ["prefill ms", "decode tok/s", "decode × dyn", "KL mean", "Δppl %", "top-1"]
+    columns = (
+        ("effective_bits", ".2f"),
+        ("effective_bits_16bit", ".2f"),
+        ("bytes_per_token", ",.0f"),
+        ("peak_mib", ".1f"),
+        ("prefill_ms", ".0f"),
+        ("decode_tok_s", ".2f"),
+        ("decode_x", ".2f"),
+        ("kl_mean", ".5f"),
+        ("delta_ppl_pct", "+.2f"),
+        ("top1_agreement", ".3f"),
+    )
+    lines = []
     for r in rows:
-        cells = [
-            r["model"],
-            r["cache"],
-            str(r["context"]),
-            str(r["batch"]),
-            _f(r["effective_bits"], ".2f"),
-            _f(r["effective_bits_16bit"], ".2f"),
-            _f(r["bytes_per_token"], ",.0f"),
-            _f(r["peak_mib"], ".1f"),
-            _f(r["prefill_ms"], ".0f"),
-            _f(r["decode_tok_s"], ".2f") if not r["error"] else "OOM",
-            _f(r["decode_x"], ".2f"),
-            _f(r["kl_mean"], ".5f"),
-            _f(r["delta_ppl_pct"], "+.2f"),
-            _f(r["top1_agreement"], ".3f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells = [r["model"], r["cache"], str(r["context"]), str(r["batch"])]
+        cells += [cell(r[k], fmt) if k != "decode_tok_s" or not r["error"] else "OOM" for k, fmt in columns]
+        lines.append(cells)
+    return table(head, lines, left=4)
 
 
 def capacity_table(label: str, cap: dict[str, Any]) -> str:
     ctxs = cap["contexts"]
-    lines = [
-        "| model | cache | " + " | ".join(f"{c:,} tokens" for c in ctxs) + " |",
-        "|---|---|" + "---:|" * len(ctxs),
+    rows = [
+        [label, name, *(cell(by_ctx.get(str(c)), ",d") for c in ctxs)]
+        for name, by_ctx in cap["max_sequences"].items()
     ]
-    for name, by_ctx in cap["max_sequences"].items():
-        cells = [_f(by_ctx.get(str(c)), ",d") for c in ctxs]
-        lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return table(["model", "cache", *(f"{c:,} tokens" for c in ctxs)], rows, left=2)
 
 
 PLOT_NOTES = {
