@@ -21,8 +21,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvquant.eval.sweep_report import pareto_front
+from kvquant.eval.recommend import pareto_front
 
+NOTES = {  # what each plot shows (results.md lists them with these words)
+    "quality_vs_bits": "mean KL and Δppl against effective bits per element, Pareto front marked",
+    "decode_speed": "decode tokens/s and its ratio to the interleaved DynamicCache, against context",
+    "memory_vs_context": "bytes per token held and peak memory, against context",
+    "capacity": "max concurrent sequences at the memory budget, against context",
+}
 MARKERS = "osD^v<>pPXh*"
 DYNAMIC_STYLE = {"color": "black", "marker": "o", "linestyle": "-"}
 

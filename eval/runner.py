@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import re
@@ -61,12 +62,20 @@ class EvalResult:
 # ------------------------------------------------------------------------------------------ setup
 
 
-def _label(text: str) -> str:
+def safe_name(text: str) -> str:
+    """``text`` as a folder name: runs of other characters than ``A-Za-z0-9._-`` become ``-``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+def model_label(name: str) -> str:
+    """The label of a model loaded by name: ``smollm2`` for every alias of the embedded model."""
+    from kvquant.models import EMBEDDED_ALIASES
+
+    return "smollm2" if name.lower() in EMBEDDED_ALIASES else name
 
 
 def load_eval_model(cfg: EvalConfig) -> tuple[Any, Any]:
@@ -121,28 +130,36 @@ def _resolve_lengths(cfg: EvalConfig, limit: int | None) -> list[int]:
     return out
 
 
-def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[int]) -> None:
-    if limit is None:
-        return
-    checks = []
-    if cfg.quality.enabled or cfg.memory.enabled:
-        checks.append(
-            ("quality.prefix_len + quality.score_len", cfg.quality.prefix_len + cfg.quality.score_len)
+def check_context(what: str, tokens: int, limit: int | None, whose: str = "the model's") -> None:
+    if limit is not None and tokens > limit:
+        raise EvalError(
+            f"{what}: context of {tokens} tokens is beyond {whose} limit of {limit} (max_position_embeddings)"
         )
-    if cfg.retrieval.enabled:
-        answer = cfg.retrieval.digits + 2
-        checks += [
-            (f"retrieval.lengths ({length} + {answer} answer tokens)", length + answer)
-            for length in retrieval_lengths
-        ]
-    if cfg.speed.enabled:
-        d = cfg.speed.decode_tokens
-        checks += [(f"speed.context_lengths ({c} + {d} decoded)", c + d) for c in cfg.speed.context_lengths]
-    for what, n in checks:
-        if n > limit:
-            raise EvalError(
-                f"{what}: context of {n} tokens is beyond the model's limit of {limit} (max_position_embeddings)"
-            )
+
+
+def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[int]) -> None:
+    q, answer, d = cfg.quality, cfg.retrieval.digits + 2, cfg.speed.decode_tokens
+    if cfg.quality.enabled or cfg.memory.enabled:
+        check_context("quality.prefix_len + quality.score_len", q.prefix_len + q.score_len, limit)
+    for length in retrieval_lengths if cfg.retrieval.enabled else []:
+        check_context(f"retrieval.lengths ({length} + {answer} answer tokens)", length + answer, limit)
+    for c in cfg.speed.context_lengths if cfg.speed.enabled else []:
+        check_context(f"speed.context_lengths ({c} + {d} decoded)", c + d, limit)
+
+
+def check_buildable(specs: list[CacheSpec], model: Any, prefix: str, error: type = EvalError) -> None:
+    """Build every cache once, to fail on an unusable one before any slow work."""
+    for spec in specs:
+        try:
+            spec.build(model)
+        except (ValueError, ImportError) as exc:
+            raise error(f"{prefix}{spec.name!r}: {_one_line(exc)}") from None
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -167,16 +184,11 @@ def run_eval(
     corpus = load_corpus(cfg.corpus)
     if model is None:
         model, tokenizer = load_eval_model(cfg)
-        model_label = (
-            "smollm2"
-            if cfg.model.name.lower() in ("smollm2", "default", "smollm2-135m-instruct")
-            else cfg.model.name
-        )
-        fingerprint = ""
+        label, fingerprint = model_label(cfg.model.name), ""
     else:
         if tokenizer is None:
             raise EvalError("run_eval: a model object needs its tokenizer (tokenizer=...)")
-        model_label, fingerprint = model.config.model_type, model_fingerprint(model)
+        label, fingerprint = model.config.model_type, model_fingerprint(model)
     device = next(model.parameters()).device
     limit = model_max_context(model)
     retrieval_lengths = _resolve_lengths(cfg, limit)
@@ -187,17 +199,13 @@ def run_eval(
     windows = None
     if cfg.quality.enabled or cfg.memory.enabled:
         windows = make_windows(ids, q.prefix_len, q.score_len, q.windows, cfg.corpus.name)  # [W, P + D]
-    for spec in specs:  # fail on an unusable cache before any slow work
-        try:
-            spec.build(model)
-        except (ValueError, ImportError) as exc:
-            raise EvalError(f"cache {spec.name!r}: {_one_line(exc)}") from None
+    check_buildable(specs, model, "cache ")
 
     corpus_label = (
         cfg.corpus.name if cfg.corpus.name in ("embedded", "wikitext2") else Path(cfg.corpus.name).stem
     )
     identity = cfg.identity_hash(fingerprint)
-    name = cfg.output.name or _label(f"{Path(model_label).name}-{corpus_label}-{q.mode}-{identity}")
+    name = cfg.output.name or safe_name(f"{Path(label).name}-{corpus_label}-{q.mode}-{identity}")
     run_dir = Path(cfg.output.dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     refusal = EvalError(
@@ -217,7 +225,7 @@ def run_eval(
         "run": name,
         "identity": identity,
         "model": {
-            "name": cfg.model.name if not fingerprint else f"{model_label} (object {fingerprint})",
+            "name": cfg.model.name if not fingerprint else f"{label} (object {fingerprint})",
             "class": type(model).__name__,
             "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(device),
