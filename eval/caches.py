@@ -165,46 +165,35 @@ def resolve_specs(specs: list[str]) -> list[CacheSpec]:
 # ------------------------------------------------------------------------------------------ bytes
 
 
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of every plain tensor in ``obj`` (tensor subclasses, tuples, lists, dicts unpacked)."""
-    if obj is None:
-        return 0
+HF_TENSORS = ("keys", "values", "_quantized_keys", "_quantized_values")  # what a transformers layer holds
+
+
+def _tensor_bytes(obj: Any, fp32_size: int = 4) -> int:
+    """Bytes of every plain tensor in ``obj`` (tensor subclasses, tuples, lists, dicts unpacked), float32
+    elements counted at ``fp32_size`` bytes."""
     if isinstance(obj, torch.Tensor):
-        flatten = getattr(type(obj), "__tensor_flatten__", None)
-        if flatten is not None and type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) and hasattr(type(obj), "__tensor_flatten__"):
             names, _ = obj.__tensor_flatten__()
-            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(o) for o in obj)
+            return sum(_tensor_bytes(getattr(obj, n), fp32_size) for n in names)
+        return obj.numel() * (fp32_size if obj.dtype == torch.float32 else obj.element_size())
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(o) for o in obj.values())
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o, fp32_size) for o in obj)
     return 0
+
+
+def _hf_bytes(cache: Any, fp32_size: int = 4) -> int:
+    return sum(
+        _tensor_bytes(getattr(layer, a, None), fp32_size) for layer in cache.layers for a in HF_TENSORS
+    )
 
 
 def cache_nbytes(cache: Any) -> int:
     """Bytes of the keys and values a cache holds (see the module docstring for how they are counted)."""
     if hasattr(cache, "nbytes") and callable(cache.nbytes):
         return int(cache.nbytes())
-    total = 0
-    for layer in cache.layers:
-        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            total += _tensor_bytes(getattr(layer, attr, None))
-    return total
-
-
-def _bytes_at_16bit(obj: Any) -> int:
-    """Like :func:`_tensor_bytes`, with every float32 tensor counted at 2 bytes per element."""
-    if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
-        return obj.numel() * (2 if obj.dtype == torch.float32 else obj.element_size())
-    if isinstance(obj, torch.Tensor):
-        names, _ = obj.__tensor_flatten__()
-        return sum(_bytes_at_16bit(getattr(obj, n)) for n in names)
-    if isinstance(obj, (tuple, list)):
-        return sum(_bytes_at_16bit(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_bytes_at_16bit(o) for o in obj.values())
-    return 0
+    return _hf_bytes(cache)
 
 
 def cache_nbytes_16bit(cache: Any) -> int:
@@ -215,23 +204,18 @@ def cache_nbytes_16bit(cache: Any) -> int:
     from kvquant import KVQuantCache
     from kvquant.layer import QuantizedKVLayer
 
-    if isinstance(cache, KVQuantCache):
-        total = 0
-        for layer in cache.layers:
-            if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
-                continue
-            parts = layer.nbytes()
-            shrink = min(2, layer.tail_k.element_size()) / layer.tail_k.element_size()
-            fp = parts["tail"] + parts["sink"]
-            store = parts["store"]
-            if layer.k_store.spec.kind == "passthrough" and layer.v_store.spec.kind == "passthrough":
-                store = int(store * shrink)
-            total += store + int(fp * shrink)
-        return total
+    if not isinstance(cache, KVQuantCache):
+        return _hf_bytes(cache, fp32_size=2)
     total = 0
     for layer in cache.layers:
-        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            total += _bytes_at_16bit(getattr(layer, attr, None))
+        if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
+            continue
+        parts = layer.nbytes()
+        shrink = min(2, layer.tail_k.element_size()) / layer.tail_k.element_size()
+        store = parts["store"]
+        if layer.k_store.spec.kind == "passthrough" and layer.v_store.spec.kind == "passthrough":
+            store = int(store * shrink)
+        total += store + int((parts["tail"] + parts["sink"]) * shrink)
     return total
 
 
