@@ -14,8 +14,8 @@ from kvquant.cli import main
 from kvquant.eval import runner as runner_mod
 from kvquant.eval import sweep as sweep_mod
 from kvquant.eval.config import _configs_dir
-from kvquant.eval.sweep import SweepError, load_sweep_config, run_sweep
 from kvquant.eval.recommend import pareto_front, recommend
+from kvquant.eval.sweep import SweepError, load_sweep_config, run_sweep
 
 CACHES = ["dynamic", "int8", "int4"]
 FAST = {
