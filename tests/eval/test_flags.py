@@ -6,15 +6,8 @@ import argparse
 
 import pytest
 
-from kvquant.eval.config import (
-    EvalConfig,
-    EvalError,
-    add_config_flags,
-    config_fields,
-    config_overrides,
-    load_config,
-    tasks_overrides,
-)
+from kvquant.eval.config import EvalConfig, EvalError, load_config
+from kvquant.eval.flags import add_config_flags, config_fields, config_overrides, tasks_overrides
 from kvquant.eval.sweep_config import SweepConfig, load_sweep_config
 
 
