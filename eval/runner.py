@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -37,7 +38,7 @@ import torch
 import yaml
 
 from kvquant.eval.caches import CacheSpec, fp16_bytes_per_token, kv_geometry, resolve_specs
-from kvquant.eval.config import EvalConfig, EvalError, load_config
+from kvquant.eval.config import EvalConfig, EvalError, Timing, cast, load_config
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.decode import compare, simulated_logprobs, teacher_forced_logprobs
 from kvquant.eval.memory import measure_memory
@@ -286,15 +287,14 @@ class EvalContext:
         """``[W, D, V]`` log-probs of the scored tokens of every window through ``spec``."""
         q, out = self.cfg.quality, []
         for i, window in enumerate(self.windows):
+            cache = spec.build(self.model)
             if q.mode == "decode":
                 steps = partial(self.bar, desc=f"{spec.name} window {i}", leave=False)
                 out.append(
-                    teacher_forced_logprobs(
-                        self.model, window[None], q.prefix_len, spec.build(self.model), progress=steps
-                    )
+                    teacher_forced_logprobs(self.model, window[None], q.prefix_len, cache, progress=steps)
                 )
             else:
-                out.append(simulated_logprobs(self.model, window[None], q.prefix_len, spec.build(self.model)))
+                out.append(simulated_logprobs(self.model, window[None], q.prefix_len, cache))
         return torch.cat(out)
 
     def baseline(self) -> torch.Tensor:
@@ -319,13 +319,7 @@ class EvalContext:
         base = self.baseline()
         test = base if spec.kind == "dynamic" else self.logprobs(spec)
         out = compare(base, test, self.windows[:, q.prefix_len :])
-        return {
-            **out,
-            "mode": q.mode,
-            "windows": q.windows,
-            "prefix_len": q.prefix_len,
-            "score_len": q.score_len,
-        }
+        return {**out, **{k: getattr(q, k) for k in ("mode", "windows", "prefix_len", "score_len")}}
 
     # ---------------------------------------------------------------------------------- speed
 
@@ -335,17 +329,9 @@ class EvalContext:
         builds = {"dynamic": lambda: resolve_specs(["dynamic"])[0].build(self.model)}
         if spec.kind != "dynamic":
             builds["test"] = lambda: spec.build(self.model)
-        rows = measure_speed(
-            self.model,
-            builds,
-            self.ids,
-            context_lengths=s.context_lengths,
-            batch_sizes=s.batch_sizes,
-            decode_tokens=s.decode_tokens,
-            warmup=s.warmup,
-            repeats=s.repeats,
-            progress=self.bar,
-        )
+        grid = {"context_lengths": s.context_lengths, "batch_sizes": s.batch_sizes}
+        timing = dataclasses.asdict(cast(s, Timing))  # decode_tokens, warmup, repeats
+        rows = measure_speed(self.model, builds, self.ids, **grid, **timing, progress=self.bar)
         own = rows["test"] if spec.kind != "dynamic" else rows["dynamic"]
         return {
             "rows": with_ratios(own, rows["dynamic"]),

@@ -193,17 +193,10 @@ class _ModelRun:
                 builds[s.key] = s.build
         t0 = time.perf_counter()
         try:
-            rows = measure_speed(
-                self.model,
-                {name: partial(build, self.model) for name, build in builds.items()},
-                self.ids,
-                context_lengths=[context],
-                batch_sizes=[batch],
-                decode_tokens=decode,
-                warmup=self.cfg.speed.warmup,
-                repeats=self.cfg.speed.repeats,
-                progress=self.bar,
-            )
+            builds = {name: partial(build, self.model) for name, build in builds.items()}
+            grid = {"context_lengths": [context], "batch_sizes": [batch]}
+            timing = dataclasses.asdict(self.cfg.speed)  # decode_tokens, warmup, repeats
+            rows = measure_speed(self.model, builds, self.ids, **grid, **timing, progress=self.bar)
         except torch.OutOfMemoryError as exc:
             for s in pending:
                 self._save(s, "speed", context, batch, _oom(exc), 0.0)

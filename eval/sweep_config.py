@@ -65,11 +65,21 @@ class SweepCorpus(CorpusSection):
         "embedded", "used (with a warning) when `name` is a missing file; null: refuse"
     )
 
+    def check(self, where: str) -> None:
+        if self.fallback is not None and not isinstance(self.fallback, str):
+            raise SweepError(
+                f"{where}.fallback: invalid value {self.fallback!r}; allowed: a corpus name or null"
+            )
+
 
 @dataclass
 class GridSection:
     contexts: list[int] = opt([256, 1024, 2048], "context lengths of the grid")
     batches: list[int] = opt([1], "batch sizes of the grid")
+
+    def check(self, where: str) -> None:
+        check_ints(f"{where}.contexts", self.contexts)
+        check_ints(f"{where}.batches", self.batches)
 
 
 @dataclass
@@ -82,13 +92,34 @@ class CapacitySection:
         None, "contexts of the plot (None: the grid's; they are always included)"
     )
 
+    def check(self, where: str) -> None:
+        from kvquant.plan import PlanError, dtype_bytes, parse_reserve, parse_size
+
+        if self.contexts is not None:
+            check_ints(f"{where}.contexts", self.contexts)
+        try:
+            memory = parse_size(self.budget, f"{where}.budget")
+            parse_reserve(self.reserve, memory, f"{where}.reserve")
+            dtype_bytes(self.weights_dtype, f"{where}.weights_dtype")
+            dtype_bytes(self.kv_dtype, f"{where}.kv_dtype")
+        except PlanError as exc:
+            raise SweepError(str(exc)) from None
+
 
 @dataclass
 class RecommendSection:
     max_kl: float | None = opt(
-        0.01, "quality budget: mean KL(DynamicCache || cache), nats per token", "--budget-kl"
+        0.01, "quality budget: mean KL(DynamicCache || cache), nats/token", "--budget-kl"
     )
     max_dppl_pct: float | None = opt(None, "quality budget: Δppl vs DynamicCache, percent", "--budget-dppl")
+
+    def check(self, where: str) -> None:
+        for key in ("max_kl", "max_dppl_pct"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v):
+                raise SweepError(f"{where}.{key}: invalid value {v!r}; allowed: a number or null")
+        if self.max_kl is not None and self.max_kl < 0:
+            raise SweepError(f"{where}.max_kl: invalid value {self.max_kl!r}; allowed: a number >= 0")
 
 
 @dataclass
@@ -134,8 +165,6 @@ class SweepConfig:
             raise SweepError(" ".join(str(exc).split())) from None
 
     def _validate(self) -> None:
-        from kvquant.plan import PlanError, dtype_bytes, parse_reserve, parse_size
-
         if not isinstance(self.models, list) or not self.models:
             raise SweepError(f"models: expected a non-empty list of model names, got {self.models!r}")
         for m in self.models:
@@ -152,36 +181,12 @@ class SweepConfig:
                 "allowed on this machine: auto, cpu"
             )
         check_choice("model.attn_implementation", self.model.attn_implementation, ATTN)
-        check_ints("grid.contexts", self.grid.contexts)
-        check_ints("grid.batches", self.grid.batches)
-        if self.capacity.contexts is not None:
-            check_ints("capacity.contexts", self.capacity.contexts)
-        if self.corpus.fallback is not None and not isinstance(self.corpus.fallback, str):
-            raise SweepError(
-                f"corpus.fallback: invalid value {self.corpus.fallback!r}; allowed: a corpus name or null"
-            )
-        for key in ("max_kl", "max_dppl_pct"):
-            v = getattr(self.recommend, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v):
-                raise SweepError(f"recommend.{key}: invalid value {v!r}; allowed: a number or null")
-        if self.recommend.max_kl is not None and self.recommend.max_kl < 0:
-            raise SweepError(
-                f"recommend.max_kl: invalid value {self.recommend.max_kl!r}; allowed: a number >= 0"
-            )
         for key in ("name", "out"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, str) or not v):
                 raise SweepError(f"{key}: invalid value {v!r}; allowed: a non-empty string or null")
-        try:
-            memory = parse_size(self.capacity.budget, "capacity.budget")
-            parse_reserve(self.capacity.reserve, memory, "capacity.reserve")
-            dtype_bytes(self.capacity.weights_dtype, "capacity.weights_dtype")
-            dtype_bytes(self.capacity.kv_dtype, "capacity.kv_dtype")
-        except PlanError as exc:
-            raise SweepError(str(exc)) from None
-        self.model.check("model")
-        self.quality.check("quality")
-        self.speed.check("speed")
+        for where in ("model", "corpus", "quality", "grid", "speed", "capacity", "recommend"):
+            getattr(self, where).check(where)
         check_caches(self.caches)
         try:
             resolve_specs(self.caches)
