@@ -11,19 +11,8 @@ from typing import Any
 
 import torch
 
-PACKAGES = (
-    "kvquant",
-    "torch",
-    "transformers",
-    "datasets",
-    "accelerate",
-    "optimum-quanto",
-    "hqq",
-    "triton",
-    "numpy",
-    "tqdm",
-    "psutil",
-    "evaluate",
+PACKAGES = tuple(
+    "kvquant torch transformers datasets accelerate optimum-quanto hqq triton numpy tqdm psutil evaluate".split()
 )
 
 
