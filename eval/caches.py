@@ -165,46 +165,35 @@ def resolve_specs(specs: list[str]) -> list[CacheSpec]:
 # ------------------------------------------------------------------------------------------ bytes
 
 
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of every plain tensor in ``obj`` (tensor subclasses, tuples, lists, dicts unpacked)."""
-    if obj is None:
-        return 0
+HF_TENSORS = ("keys", "values", "_quantized_keys", "_quantized_values")  # what a transformers layer holds
+
+
+def _tensor_bytes(obj: Any, fp32_size: int = 4) -> int:
+    """Bytes of every plain tensor in ``obj`` (tensor subclasses, tuples, lists, dicts unpacked), float32
+    elements counted at ``fp32_size`` bytes."""
     if isinstance(obj, torch.Tensor):
-        flatten = getattr(type(obj), "__tensor_flatten__", None)
-        if flatten is not None and type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) and hasattr(type(obj), "__tensor_flatten__"):
             names, _ = obj.__tensor_flatten__()
-            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(o) for o in obj)
+            return sum(_tensor_bytes(getattr(obj, n), fp32_size) for n in names)
+        return obj.numel() * (fp32_size if obj.dtype == torch.float32 else obj.element_size())
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(o) for o in obj.values())
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o, fp32_size) for o in obj)
     return 0
+
+
+def _hf_bytes(cache: Any, fp32_size: int = 4) -> int:
+    return sum(
+        _tensor_bytes(getattr(layer, a, None), fp32_size) for layer in cache.layers for a in HF_TENSORS
+    )
 
 
 def cache_nbytes(cache: Any) -> int:
     """Bytes of the keys and values a cache holds (see the module docstring for how they are counted)."""
     if hasattr(cache, "nbytes") and callable(cache.nbytes):
         return int(cache.nbytes())
-    total = 0
-    for layer in cache.layers:
-        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            total += _tensor_bytes(getattr(layer, attr, None))
-    return total
-
-
-def _bytes_at_16bit(obj: Any) -> int:
-    """Like :func:`_tensor_bytes`, with every float32 tensor counted at 2 bytes per element."""
-    if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
-        return obj.numel() * (2 if obj.dtype == torch.float32 else obj.element_size())
-    if isinstance(obj, torch.Tensor):
-        names, _ = obj.__tensor_flatten__()
-        return sum(_bytes_at_16bit(getattr(obj, n)) for n in names)
-    if isinstance(obj, (tuple, list)):
-        return sum(_bytes_at_16bit(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_bytes_at_16bit(o) for o in obj.values())
-    return 0
+    return _hf_bytes(cache)
 
 
 def cache_nbytes_16bit(cache: Any) -> int:
@@ -213,25 +202,20 @@ def cache_nbytes_16bit(cache: Any) -> int:
     and shifts) at 2 bytes per element. Lets runs made in float32 for precision state the memory of
     a bf16 / fp16 deployment."""
     from kvquant import KVQuantCache
-    from kvquant.layer import QuantizedKVLayer
+    from kvquant.cache import QuantizedKVLayer
 
-    if isinstance(cache, KVQuantCache):
-        total = 0
-        for layer in cache.layers:
-            if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
-                continue
-            parts = layer.nbytes()
-            shrink = min(2, layer.tail_k.element_size()) / layer.tail_k.element_size()
-            fp = parts["tail"] + parts["sink"]
-            store = parts["store"]
-            if layer.k_store.spec.kind == "passthrough" and layer.v_store.spec.kind == "passthrough":
-                store = int(store * shrink)
-            total += store + int(fp * shrink)
-        return total
+    if not isinstance(cache, KVQuantCache):
+        return _hf_bytes(cache, fp32_size=2)
     total = 0
     for layer in cache.layers:
-        for attr in ("keys", "values", "_quantized_keys", "_quantized_values"):
-            total += _bytes_at_16bit(getattr(layer, attr, None))
+        if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
+            continue
+        parts = layer.nbytes()
+        shrink = min(2, layer.tail.k.element_size()) / layer.tail.k.element_size()
+        store = parts["store"]
+        if layer.config.is_passthrough:
+            store = int(store * shrink)
+        total += store + int((parts["tail"] + parts["sink"]) * shrink)
     return total
 
 
@@ -250,17 +234,6 @@ def fp16_bytes_per_token(model: Any) -> int:
     return layers * kv * head_dim * 2 * 2
 
 
-def _kvquant_bits(fmt: str, group: int, scale_bits: int, static: bool, dtype_bits: int) -> float:
-    from kvquant.formats import format_spec
-
-    spec = format_spec(fmt)
-    if spec.kind == "passthrough":
-        return float(dtype_bits)
-    if static:
-        return float(spec.bits)
-    return spec.bits + scale_bits * (2 if spec.has_zero else 1) / group
-
-
 def theoretical_bits(spec: CacheSpec, model: Any) -> float | None:
     """Bits per cached K/V element of the format alone (no full-precision sink / residual tokens),
     averaged over keys, values and layers (``None`` for custom caches)."""
@@ -274,14 +247,12 @@ def theoretical_bits(spec: CacheSpec, model: Any) -> float | None:
         if spec.backend == "fp8":
             return 8.0
         return spec.nbits + 2 * dtype_bits / PEER_GROUP_SIZE  # scale + shift in the model's dtype
+    from kvquant.memory import format_bits
+
     bits = []
     for i in range(layers):
         c = spec.quant.for_layer(i, layers)
-        kg, vg = c.group_sizes(head_dim)
-        sb = torch.finfo(c.torch_scale_dtype).bits
-        static = c.static_scales is not None
-        bits.append(_kvquant_bits(c.key_format, kg, sb, static, dtype_bits))
-        bits.append(_kvquant_bits(c.value_format, vg, sb, static, dtype_bits))
+        bits += [format_bits(c, which, head_dim, dtype_bits // 8) for which in ("key", "value")]
     return sum(bits) / len(bits)
 
 
@@ -300,7 +271,7 @@ def simulate_quantization(cache: Any) -> Any:
     from transformers import DynamicCache
 
     from kvquant import KVQuantCache
-    from kvquant.layer import QuantizedKVLayer
+    from kvquant.cache import QuantizedKVLayer
 
     original: Callable = cache.update
 
@@ -310,7 +281,7 @@ def simulate_quantization(cache: Any) -> Any:
         if isinstance(cache, KVQuantCache):
             if not isinstance(layer, QuantizedKVLayer):
                 return k, v
-            scratch = QuantizedKVLayer(layer.config, sliding_window=None, static_scales=layer.static_scales)
+            scratch = QuantizedKVLayer(layer.config, static_scales=layer.static_scales)
             scratch.lazy_initialization(key_states, value_states)
             scratch.append(key_states, value_states, (kwargs.get("kwargs") or {}).get("position_ids"))
             return scratch.read_history()

@@ -6,6 +6,11 @@ An :class:`EvalConfig` is plain data, one section per part of the harness. Layer
 2. a YAML file (``--config path.yaml``, or the name of a file shipped in ``configs/eval/``);
 3. CLI flags (``--prefix-len 1024``) and generic overrides (``--set speed.repeats=5``).
 
+The sections are shared: the sweep's config (:mod:`kvquant.eval.sweep_config`) is built from the same
+section classes, loaded by the same :func:`load_yaml_config` and checked by the same ``check`` methods.
+Each field's help text and flag aliases live in its metadata (:func:`opt`), from which
+:mod:`kvquant.eval.flags` derives the command-line flags.
+
 Example:
     >>> cfg = load_config("smollm2-wikitext2", overrides={"quality.windows": 4})
     >>> cfg.quality.prefix_len, cfg.quality.windows
@@ -20,7 +25,7 @@ import importlib.resources
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -28,80 +33,181 @@ MODES = ("decode", "simulated")
 DTYPES = ("float32", "float16", "bfloat16")
 TASKS = ("quality", "memory", "speed", "retrieval")
 
+C = TypeVar("C")
+
 
 class EvalError(ValueError):
     """Bad input (unknown preset, missing file, too short a corpus, ...). The CLI prints the message on
     one line and exits with status 2."""
 
 
+def opt(default: Any, help: str = "", *flags: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field with its ``--help`` text, extra flag names and allowed values as metadata."""
+    meta = {"help": help, "flags": flags, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise EvalError(f"{name}: invalid value {value!r}; expected an integer >= {low}")
+
+
+def check_ints(name: str, values: Any, also: tuple[str, ...] = ()) -> None:
+    """A non-empty list of positive integers (or of the words in ``also``)."""
+    allowed = "positive integers" + "".join(f" or {a!r}" for a in also)
+    if not isinstance(values, list) or not values:
+        raise EvalError(f"{name}: expected a non-empty list of {allowed}, got {values!r}")
+    for v in values:
+        if (not isinstance(v, int) or isinstance(v, bool) or v < 1) and v not in also:
+            raise EvalError(f"{name}: invalid value {v!r}; allowed: {allowed}")
+
+
+def check_caches(caches: Any) -> None:
+    if not isinstance(caches, list) or not caches:
+        raise EvalError(f"caches: expected a non-empty list of cache specs, got {caches!r}")
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise EvalError(f"{name}: invalid value {value!r}; allowed: {', '.join(allowed)}")
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+
 @dataclass
-class ModelSection:
-    name: str = "smollm2"  # "smollm2" (embedded), a Hugging Face id, or a local folder
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    device_map: str | None = None  # passed to from_pretrained (e.g. "auto"); overrides device
-    attn_implementation: str = "sdpa"  # or "kvquant": fused decode over the quantized store
+class Task:
+    """A task the run can switch off (first key of its section)."""
+
+    enabled: bool = opt(True, "run this task")
+
+
+@dataclass
+class _Named:
+    name: str = opt("smollm2", "'smollm2' (embedded), a Hugging Face id, or a local folder")
+
+
+@dataclass
+class RunSection:
+    """How a model is loaded and run: ``kvquant eval``'s ``model`` section without the name, and the
+    sweep's ``model`` section (which runs every one of its ``models`` so)."""
+
+    dtype: str = opt("float32", "weights and activations", choices=DTYPES)
+    device: str = opt("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
+    device_map: str | None = opt(None, "passed to from_pretrained (e.g. auto); overrides device")
+    attn_implementation: str = opt("sdpa", "sdpa, eager, or kvquant (fused decode over the store)", "--attn")
+
+    def check(self, where: str) -> None:
+        check_choice(f"{where}.dtype", self.dtype, DTYPES)
+
+
+@dataclass
+class ModelSection(RunSection, _Named):  # fields: name, then the run settings
+    pass
 
 
 @dataclass
 class CorpusSection:
-    name: str = "embedded"  # "embedded", "wikitext2" (hub), or a local .txt / .jsonl / .json file
-    text_field: str = "text"  # the column of a .jsonl / .json file
-    join: str | None = None  # how rows are joined; None: "" for .txt (file as stored), "\n\n" otherwise
+    name: str = opt("embedded", "embedded, wikitext2 (hub), or a local .txt / .jsonl / .json file")
+    text_field: str = opt("text", "the column of a .jsonl / .json corpus")
+    join: str | None = opt(None, 'how rows are joined; None: "" for .txt (as stored), "\\n\\n" otherwise')
 
 
 @dataclass
-class QualitySection:
-    enabled: bool = True
-    mode: str = "decode"  # "decode" (cache in the loop) or "simulated" (one pass, K/V round-tripped)
-    prefix_len: int = 512  # P tokens prefilled per window
-    score_len: int = 64  # D tokens scored per window
-    windows: int = 2  # non-overlapping windows of P + D tokens, evenly spaced over the corpus
+class QualityProtocol:
+    """The quality windows: the sweep's ``quality`` section, and ``kvquant eval``'s (plus ``enabled``)."""
+
+    mode: str = opt(
+        "decode", "decode (cache in the loop) or simulated (one pass, K/V round-tripped)", choices=MODES
+    )
+    prefix_len: int = opt(512, "P: tokens prefilled per window")
+    score_len: int = opt(64, "D: tokens scored per window")
+    windows: int = opt(2, "non-overlapping windows of P + D tokens, evenly spaced over the corpus")
+
+    def check(self, where: str) -> None:
+        check_choice(f"{where}.mode", self.mode, MODES)
+        for key in ("prefix_len", "score_len", "windows"):
+            check_int(f"{where}.{key}", getattr(self, key), 1)
 
 
 @dataclass
-class RetrievalSection:
-    enabled: bool = True
-    lengths: list[Any] = field(default_factory=lambda: [512, 1024, 2048])  # tokens; "max" = model limit
-    trials: int = 3  # passkeys per length, at depths (i + 0.5) / trials
-    digits: int = 5
+class QualitySection(QualityProtocol, Task):  # fields: enabled, then the protocol
+    pass
 
 
 @dataclass
-class MemorySection:
-    enabled: bool = True
+class RetrievalSection(Task):
+    lengths: list[Any] = opt([512, 1024, 2048], "prompt tokens, e.g. 1024,4096,max (max: the model's limit)")
+    trials: int = opt(3, "passkeys per length, at depths (i + 0.5) / trials")
+    digits: int = opt(5, "digits of a passkey")
+
+    def check(self, where: str) -> None:
+        check_int(f"{where}.trials", self.trials, 1)
+        check_int(f"{where}.digits", self.digits, 1)
+        check_ints(f"{where}.lengths", self.lengths, also=("max",))
 
 
 @dataclass
-class SpeedSection:
-    enabled: bool = True
-    context_lengths: list[int] = field(default_factory=lambda: [256, 1024])
-    batch_sizes: list[int] = field(default_factory=lambda: [1])  # more than [1] is meant for GPUs
-    decode_tokens: int = 16
-    warmup: int = 1
-    repeats: int = 3  # the median of these is reported
+class Timing:
+    """How one speed point is timed: ``kvquant eval``'s speed section and the sweep's."""
+
+    decode_tokens: int = opt(16, "greedy tokens decoded after each prefill")
+    warmup: int = opt(1, "discarded runs")
+    repeats: int = opt(3, "timed runs; the median is reported")
+
+    def check(self, where: str) -> None:
+        check_int(f"{where}.decode_tokens", self.decode_tokens, 1)
+        check_int(f"{where}.warmup", self.warmup, 0)
+        check_int(f"{where}.repeats", self.repeats, 1)
+
+
+@dataclass
+class _SpeedGrid:
+    context_lengths: list[int] = opt([256, 1024], "prompt lengths, e.g. 256,1024", "--speed-contexts")
+    batch_sizes: list[int] = opt(
+        [1], "batch sizes, e.g. 1,8 (more than 1 is meant for GPUs)", "--speed-batches"
+    )
+
+
+@dataclass
+class SpeedSection(Timing, _SpeedGrid, Task):  # fields: enabled, context_lengths, batch_sizes, timing
+    def check(self, where: str) -> None:
+        super().check(where)
+        check_ints(f"{where}.context_lengths", self.context_lengths)
+        check_ints(f"{where}.batch_sizes", self.batch_sizes)
 
 
 @dataclass
 class OutputSection:
-    dir: str = "runs"
-    name: str | None = None  # None: <model>-<corpus>-<mode>-<hash of the config>
+    dir: str = opt("runs", "parent of the run folder")
+    name: str | None = opt(
+        None, "run folder name (None: <model>-<corpus>-<mode>-<hash of the config>)", "--run-name"
+    )
+
+
+CACHES_HELP = (
+    "cache spec(s), repeatable or comma-separated: dynamic (always run first), a kvquant preset or YAML, "
+    "hf-quanto-int4, hf-quanto-int2, hf-hqq-int4, hf-fp8, or the groups presets / peers / all"
+)
 
 
 @dataclass
 class EvalConfig:
     model: ModelSection = field(default_factory=ModelSection)
     corpus: CorpusSection = field(default_factory=CorpusSection)
-    # cache specs: "dynamic", kvquant preset names / YAML paths, "hf-quanto-int4", "hf-quanto-int2",
-    # "hf-hqq-int4", "hf-fp8", and the groups "presets", "peers", "all". "dynamic" is always run first.
-    caches: list[str] = field(default_factory=lambda: ["dynamic", "int8", "int4"])
+    caches: list[str] = opt(["dynamic", "int8", "int4"], CACHES_HELP, "--cache")
     quality: QualitySection = field(default_factory=QualitySection)
     retrieval: RetrievalSection = field(default_factory=RetrievalSection)
-    memory: MemorySection = field(default_factory=MemorySection)
+    memory: Task = field(default_factory=Task)
     speed: SpeedSection = field(default_factory=SpeedSection)
     output: OutputSection = field(default_factory=OutputSection)
-    seed: int = 0
-    progress: bool = True
+    seed: int = opt(0, "seed of the passkeys")
+    progress: bool = opt(True, "progress bars")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,57 +228,64 @@ class EvalConfig:
 
     def validate(self) -> None:
         """Check values that need no model or corpus; raises :class:`EvalError`."""
-        if self.model.dtype not in DTYPES:
-            raise EvalError(f"model.dtype: invalid value {self.model.dtype!r}; allowed: {', '.join(DTYPES)}")
-        if self.quality.mode not in MODES:
-            raise EvalError(f"quality.mode: invalid value {self.quality.mode!r}; allowed: {', '.join(MODES)}")
-        for name, value, low in (
-            ("quality.prefix_len", self.quality.prefix_len, 1),
-            ("quality.score_len", self.quality.score_len, 1),
-            ("quality.windows", self.quality.windows, 1),
-            ("retrieval.trials", self.retrieval.trials, 1),
-            ("retrieval.digits", self.retrieval.digits, 1),
-            ("speed.decode_tokens", self.speed.decode_tokens, 1),
-            ("speed.warmup", self.speed.warmup, 0),
-            ("speed.repeats", self.speed.repeats, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise EvalError(f"{name}: invalid value {value!r}; expected an integer >= {low}")
-        for name, values in (
-            ("speed.context_lengths", self.speed.context_lengths),
-            ("speed.batch_sizes", self.speed.batch_sizes),
-            ("retrieval.lengths", self.retrieval.lengths),
-        ):
-            if not isinstance(values, list) or not values:
-                raise EvalError(f"{name}: expected a non-empty list, got {values!r}")
-            for v in values:
-                ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                if not ok and not (name == "retrieval.lengths" and v == "max"):
-                    allowed = (
-                        "positive integers or 'max'" if name == "retrieval.lengths" else "positive integers"
-                    )
-                    raise EvalError(f"{name}: invalid value {v!r}; allowed: {allowed}")
-        if not isinstance(self.caches, list) or not self.caches:
-            raise EvalError(f"caches: expected a non-empty list of cache specs, got {self.caches!r}")
+        self.model.check("model")
+        self.quality.check("quality")
+        self.retrieval.check("retrieval")
+        self.speed.check("speed")
+        check_caches(self.caches)
 
     @property
     def tasks(self) -> list[str]:
         return [t for t in TASKS if getattr(self, t).enabled]
 
 
+def cast(obj: Any, cls: type[C], **changes: Any) -> C:
+    """A ``cls`` holding the fields of ``obj`` it shares (e.g. a sweep section as an eval section)."""
+    shared = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)}
+    return cls(**{**shared, **changes})
+
+
 # ------------------------------------------------------------------------------------------ loading
 
 
 def _configs_dir():
-    return importlib.resources.files("kvquant.configs") / "eval"
+    return importlib.resources.files("kvquant.configs")
+
+
+def shipped(folder: str = "eval", prefix: str = "") -> list[str]:
+    """Names of the YAML files shipped in ``configs/<folder>`` whose name starts with ``prefix``."""
+    d = _configs_dir() / folder if folder else _configs_dir()
+    if not d.is_dir():
+        return []
+    files = [p.name for p in d.iterdir() if p.name.startswith(prefix) and p.name.endswith(".yaml")]
+    return sorted(n[len(prefix) : -len(".yaml")] for n in files)
 
 
 def config_names() -> list[str]:
     """Names of the eval configs shipped in ``configs/eval/``."""
-    d = _configs_dir()
-    if not d.is_dir():
-        return []
-    return sorted(p.name[: -len(".yaml")] for p in d.iterdir() if p.name.endswith(".yaml"))
+    return shipped("eval")
+
+
+def find_yaml(spec: str | Path, folder: str = "eval", prefix: str = "", what: str = "configs") -> Path:
+    """The file ``spec`` names: a path, else the name of a config shipped in ``configs/<folder>``."""
+    path = Path(spec).expanduser()
+    if not path.is_file() and str(spec) in shipped(folder, prefix):
+        path = Path(str(_configs_dir() / folder / f"{prefix}{spec}.yaml"))
+    if not path.is_file():
+        names = ", ".join(shipped(folder, prefix)) or "none"
+        raise EvalError(f"config: no such file {str(spec)!r}; shipped {what}: {names}")
+    return path
+
+
+def read_yaml(spec: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML file given by path or by the name of a config in ``configs/eval/``."""
+    try:
+        data = yaml.safe_load(find_yaml(spec).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise EvalError(f"config: {spec}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise EvalError(f"config: {spec}: expected a mapping at the top level")
+    return data
 
 
 def _merge(obj: Any, data: dict[str, Any], where: str) -> Any:
@@ -186,10 +299,7 @@ def _merge(obj: Any, data: dict[str, Any], where: str) -> Any:
         if key not in fields:
             raise EvalError(f"config: unknown key {path!r}; allowed: {', '.join(fields)}")
         current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            changes[key] = _merge(current, value, path)
-        else:
-            changes[key] = value
+        changes[key] = _merge(current, value, path) if dataclasses.is_dataclass(current) else value
     return dataclasses.replace(obj, **changes)
 
 
@@ -204,24 +314,19 @@ def _unflatten(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_yaml(spec: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML file given by path or by the name of a config in ``configs/eval/``."""
-    if isinstance(spec, str) and spec in config_names():
-        text = (_configs_dir() / f"{spec}.yaml").read_text()
+def load_yaml_config(cls: type[C], config: Any, overrides: dict[str, Any] | None, read=read_yaml) -> C:
+    """``cls()`` defaults, then ``config`` (a ``cls``, a dict, or what ``read`` turns into a dict), then
+    ``overrides`` (``{"dotted.key": value}``); validated."""
+    if isinstance(config, cls):
+        cfg = config
     else:
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise EvalError(
-                f"config: no such file {str(spec)!r}; shipped configs: {', '.join(config_names()) or 'none'}"
-            )
-        text = path.read_text()
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise EvalError(f"config: {spec}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise EvalError(f"config: {spec}: expected a mapping at the top level")
-    return data
+        cfg = cls()
+        if config is not None:
+            cfg = _merge(cfg, config if isinstance(config, dict) else read(config), "")
+    if overrides:
+        cfg = _merge(cfg, _unflatten(overrides), "")
+    cfg.validate()
+    return cfg
 
 
 def load_config(
@@ -230,17 +335,7 @@ def load_config(
 ) -> EvalConfig:
     """Defaults, then ``config`` (an EvalConfig, a dict, a YAML path or shipped name), then
     ``overrides`` (``{"dotted.key": value}``); validated."""
-    if isinstance(config, EvalConfig):
-        cfg = config
-    else:
-        cfg = EvalConfig()
-        if config is not None:
-            data = config if isinstance(config, dict) else read_yaml(config)
-            cfg = _merge(cfg, data, "")
-    if overrides:
-        cfg = _merge(cfg, _unflatten(overrides), "")
-    cfg.validate()
-    return cfg
+    return load_yaml_config(EvalConfig, config, overrides)
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:

@@ -140,17 +140,16 @@ class PeakMemory:
             self.peak_rss_bytes = self._peak - self._base
 
 
-def measure_memory(model: Any, spec: CacheSpec, window: torch.Tensor, prefix_len: int) -> dict[str, Any]:
-    """Memory of ``spec`` after prefilling ``window[:P]`` and decoding the rest of ``window [P + D]``."""
-    device = next(model.parameters()).device
-    cache = spec.build(model)
-    with PeakMemory(device) as pm:
-        teacher_forced_logprobs(model, window[None], prefix_len, cache)
+def memory_numbers(
+    model: Any, spec: CacheSpec, cache: Any, pm: PeakMemory, sequences: int = 1
+) -> dict[str, Any]:
+    """What ``cache`` holds after a run of ``sequences`` rows watched by ``pm``: bytes per token held
+    next to fp16 and to the format's theory, and the run's peak."""
     tokens = cache.get_seq_length()
     held = cache_nbytes(cache)
-    fp16 = fp16_bytes_per_token(model)
+    fp16 = fp16_bytes_per_token(model)  # K + V of one position in fp16: 2 bytes per element
     bits = theoretical_bits(spec, model)
-    per_token = held / tokens
+    per_token = held / (tokens * sequences)
     out: dict[str, Any] = {
         "tokens": tokens,
         "bytes": held,
@@ -158,7 +157,7 @@ def measure_memory(model: Any, spec: CacheSpec, window: torch.Tensor, prefix_len
         "fp16_bytes_per_token": fp16,
         "compression_vs_fp16": fp16 / per_token if per_token else float("nan"),
         "effective_bits": 16.0 * per_token / fp16,
-        "effective_bits_16bit": 16.0 * cache_nbytes_16bit(cache) / tokens / fp16,
+        "effective_bits_16bit": 16.0 * cache_nbytes_16bit(cache) / (tokens * sequences) / fp16,
         "theoretical_bits": bits,
         "theoretical_bytes_per_token": None if bits is None else fp16 * bits / 16.0,
         "peak_bytes": pm.peak_bytes,
@@ -172,3 +171,11 @@ def measure_memory(model: Any, spec: CacheSpec, window: torch.Tensor, prefix_len
         for part in ("store", "tail", "sink"):
             out[f"{part}_bytes"] = sum(r[f"{part}_bytes"] for r in rows)
     return out
+
+
+def measure_memory(model: Any, spec: CacheSpec, window: torch.Tensor, prefix_len: int) -> dict[str, Any]:
+    """Memory of ``spec`` after prefilling ``window[:P]`` and decoding the rest of ``window [P + D]``."""
+    cache = spec.build(model)
+    with PeakMemory(next(model.parameters()).device) as pm:
+        teacher_forced_logprobs(model, window[None], prefix_len, cache)
+    return memory_numbers(model, spec, cache, pm)

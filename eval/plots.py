@@ -18,12 +18,27 @@ from __future__ import annotations
 import json
 import math
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvquant.eval.sweep_report import pareto_front
+from kvquant.eval.recommend import pareto_front
 
+NOTES = {  # what each plot shows (results.md lists them with these words)
+    "quality_vs_bits": "mean KL and Δppl against effective bits per element, Pareto front marked",
+    "decode_speed": "decode tokens/s and its ratio to the interleaved DynamicCache, against context",
+    "memory_vs_context": "bytes per token held and peak memory, against context",
+    "capacity": "max concurrent sequences at the memory budget, against context",
+}
 MARKERS = "osD^v<>pPXh*"
+BIT_TICKS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+FRONT_LABEL = {  # the name of a cache on the Pareto front
+    "textcoords": "offset points",
+    "va": "top",
+    "fontsize": 8,
+    "color": "0.2",
+    "arrowprops": {"arrowstyle": "-", "color": "0.55", "lw": 0.6, "shrinkB": 6},
+}
 DYNAMIC_STYLE = {"color": "black", "marker": "o", "linestyle": "-"}
 
 
@@ -134,17 +149,10 @@ def plot_quality_vs_bits(
         ]
         for c in pts:
             st = style[c["cache"]]
-            ax.scatter(
-                c["effective_bits"],
-                c[metric],
-                s=55,
-                color=st["color"],
-                marker=st["marker"],
-                label=c["cache"],
-                zorder=3,
-            )
+            ax.scatter(c["effective_bits"], c[metric], s=55, color=st["color"], marker=st["marker"],
+                       label=c["cache"], zorder=3)  # fmt: skip
         on = sorted(
-            ((c["effective_bits"], c[metric], c["cache"]) for c, f in zip(pts, front, strict=True) if f)
+            (c["effective_bits"], c[metric], c["cache"]) for c, f in zip(pts, front, strict=True) if f
         )
         if on:
             xs, ys = [p[0] for p in on], [p[1] for p in on]
@@ -156,18 +164,8 @@ def plot_quality_vs_bits(
             # Below-left of a front point nothing is drawn (a point there would dominate it, and
             # the front runs up-left and down-right): labels go there, the leftmost one below-right.
             for i, ((x, y), group) in enumerate(names.items()):
-                left = i > 0
-                ax.annotate(
-                    ", ".join(group),
-                    (x, y),
-                    xytext=(-9, -13) if left else (9, -13),
-                    textcoords="offset points",
-                    ha="right" if left else "left",
-                    va="top",
-                    fontsize=8,
-                    color="0.2",
-                    arrowprops={"arrowstyle": "-", "color": "0.55", "lw": 0.6, "shrinkB": 6},
-                )
+                where = {"xytext": (-9, -13), "ha": "right"} if i > 0 else {"xytext": (9, -13), "ha": "left"}
+                ax.annotate(", ".join(group), (x, y), **where, **FRONT_LABEL)
         values = [c[metric] for c in pts]
         positive = [abs(v) for v in values if v != 0]
         lin = 10 ** math.floor(math.log10(min(positive))) if positive else 1e-4
@@ -182,11 +180,7 @@ def plot_quality_vs_bits(
                         textcoords="offset points", fontsize=8, color="tab:red")  # fmt: skip
         bits = [c["effective_bits"] for c in pts] or [4, 16]
         ax.set_xscale("log", base=2)
-        ticks = [
-            t
-            for t in (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
-            if min(bits) / 1.2 <= t <= max(bits) * 1.2
-        ]
+        ticks = [t for t in BIT_TICKS if min(bits) / 1.2 <= t <= max(bits) * 1.2]
         ax.xaxis.set_major_locator(FixedLocator(ticks))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -195,17 +189,9 @@ def plot_quality_vs_bits(
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3, which="major")
     fig.suptitle(title or "Quality against memory (lower left is better)")
-    front_handle = Line2D(
-        [],
-        [],
-        ls="--",
-        color="0.35",
-        marker="o",
-        markerfacecolor="none",
-        markeredgecolor="0.2",
-        markersize=11,
-    )
-    _legend(fig, axes, [(front_handle, "Pareto front")])
+    front = Line2D([], [], ls="--", color="0.35", marker="o", markerfacecolor="none", markeredgecolor="0.2",
+                   markersize=11)  # fmt: skip
+    _legend(fig, axes, [(front, "Pareto front")])
     return _save(fig, data, path)
 
 
@@ -353,35 +339,21 @@ def write_plots(
     paths = []
     for label, cap in capacities.items():
         own = [r for r in rows if r["model"] == label]
-        names = list(dict.fromkeys(r["cache"] for r in own))
-        style = styles(names)
-        suffix = "-" + re.sub(r"[^A-Za-z0-9._]+", "_", label) if multi_model else ""
+        style = styles(list(dict.fromkeys(r["cache"] for r in own)))
+        path = partial(
+            _plot_path, plots_dir, "-" + re.sub(r"[^A-Za-z0-9._]+", "_", label) if multi_model else ""
+        )
         summ = [c for c in summaries if c["model"] == label]
+        title = f"{label}: quality against memory (lower left is better)"
+        paths.append(plot_quality_vs_bits(summ, path("quality_vs_bits"), style, budget, title))
         paths.append(
-            plot_quality_vs_bits(
-                summ,
-                plots_dir / f"quality_vs_bits{suffix}.png",
-                style,
-                budget,
-                f"{label}: quality against memory (lower left is better)",
-            )
+            plot_decode_speed(own, path("decode_speed"), style, f"{label}: decode speed against context")
         )
-        paths.append(
-            plot_decode_speed(
-                own, plots_dir / f"decode_speed{suffix}.png", style, f"{label}: decode speed against context"
-            )
-        )
-        paths.append(
-            plot_memory(
-                own, plots_dir / f"memory_vs_context{suffix}.png", style, f"{label}: memory against context"
-            )
-        )
-        paths.append(
-            plot_capacity(
-                cap,
-                plots_dir / f"capacity{suffix}.png",
-                style,
-                f"{label}: max concurrent sequences at {cap['budget']} (kvquant plan)",
-            )
-        )
+        paths.append(plot_memory(own, path("memory_vs_context"), style, f"{label}: memory against context"))
+        title = f"{label}: max concurrent sequences at {cap['budget']} (kvquant plan)"
+        paths.append(plot_capacity(cap, path("capacity"), style, title))
     return paths
+
+
+def _plot_path(plots_dir: Path, suffix: str, name: str) -> Path:
+    return plots_dir / f"{name}{suffix}.png"

@@ -11,19 +11,8 @@ from typing import Any
 
 import torch
 
-PACKAGES = (
-    "kvquant",
-    "torch",
-    "transformers",
-    "datasets",
-    "accelerate",
-    "optimum-quanto",
-    "hqq",
-    "triton",
-    "numpy",
-    "tqdm",
-    "psutil",
-    "evaluate",
+PACKAGES = tuple(
+    "kvquant torch transformers datasets accelerate optimum-quanto hqq triton numpy tqdm psutil evaluate".split()
 )
 
 
@@ -67,10 +56,11 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-# ------------------------------------------------------------------------------------------ table
+# ------------------------------------------------------------------------------------------ tables
 
 
-def _f(value: Any, fmt: str) -> str:
+def cell(value: Any, fmt: str = "") -> str:
+    """One table cell: ``value`` formatted with ``fmt``, ``–`` for ``None``, ``str()`` if it will not format."""
     if value is None:
         return "–"
     try:
@@ -79,58 +69,64 @@ def _f(value: Any, fmt: str) -> str:
         return str(value)
 
 
+def scaled(value: Any, factor: float) -> Any:
+    return None if value is None else value * factor
+
+
+def table(head: list[str], rows: list[list[str]], left: int | None = None) -> str:
+    """The markdown table every report prints. ``left``: the number of left-aligned (label) columns,
+    the others right-aligned (``---:``); ``None``: every column with the plain ``---`` rule."""
+    rule = "---|" * len(head) if left is None else "---|" * left + "---:|" * (len(head) - left)
+    lines = ["| " + " | ".join(line) + " |" for line in [head, *rows]]
+    return "\n".join([lines[0], "|" + rule, *lines[1:]])
+
+
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    """One row per cache: quality, memory, speed (largest context, batch 1) and passkey accuracy."""
+    """``kvquant eval``'s table: one row per cache: quality, memory, speed (largest context, batch 1)
+    and passkey accuracy."""
     speed_ctx = None
     for r in records:
         rows = [s for s in (r.get("speed") or {}).get("rows", []) if s["batch"] == 1]
         if rows:
             speed_ctx = max(s["context"] for s in rows)
             break
-    retrieval_lengths: list[str] = []
-    for r in records:
-        for length in (r.get("retrieval") or {}).get("accuracy") or {}:
-            if length not in retrieval_lengths:
-                retrieval_lengths.append(length)
+    lengths = list(
+        dict.fromkeys(n for r in records for n in (r.get("retrieval") or {}).get("accuracy") or {})
+    )
     head = ["cache", "ppl", "Δppl", "Δppl %", "KL mean", "KL p90", "KL p99", "top-1"]
     head += ["B/token", "× fp16", "bits held", "bits @16-bit", "bits theory", "peak MB"]
     if speed_ctx is not None:
         head += [f"prefill ms @{speed_ctx}", f"tok/s @{speed_ctx}", "decode × dyn"]
-    if retrieval_lengths:
-        head += ["passkey " + "/".join(retrieval_lengths)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if lengths:
+        head += ["passkey " + "/".join(lengths)]
+    lines = []
     for r in records:
         q, m = r.get("quality") or {}, r.get("memory") or {}
-        cells = [
-            r["cache"],
-            _f(q.get("ppl"), ".4f"),
-            _f(q.get("delta_ppl"), "+.4f"),
-            _f(None if q.get("delta_ppl_rel") is None else 100 * q["delta_ppl_rel"], "+.2f"),
-            _f(q.get("kl_mean"), ".5f"),
-            _f(q.get("kl_p90"), ".5f"),
-            _f(q.get("kl_p99"), ".5f"),
-            _f(q.get("top1_agreement"), ".4f"),
-            _f(m.get("bytes_per_token"), ".0f"),
-            _f(m.get("compression_vs_fp16"), ".2f"),
-            _f(m.get("effective_bits"), ".2f"),
-            _f(m.get("effective_bits_16bit"), ".2f"),
-            _f(m.get("theoretical_bits"), ".2f"),
-            _f(None if m.get("peak_bytes") is None else m["peak_bytes"] / 2**20, ".1f"),
+        cells = [r["cache"]] + [
+            cell(value, fmt)
+            for value, fmt in (
+                (q.get("ppl"), ".4f"),
+                (q.get("delta_ppl"), "+.4f"),
+                (scaled(q.get("delta_ppl_rel"), 100), "+.2f"),
+                (q.get("kl_mean"), ".5f"),
+                (q.get("kl_p90"), ".5f"),
+                (q.get("kl_p99"), ".5f"),
+                (q.get("top1_agreement"), ".4f"),
+                (m.get("bytes_per_token"), ".0f"),
+                (m.get("compression_vs_fp16"), ".2f"),
+                (m.get("effective_bits"), ".2f"),
+                (m.get("effective_bits_16bit"), ".2f"),
+                (m.get("theoretical_bits"), ".2f"),
+                (scaled(m.get("peak_bytes"), 2**-20), ".1f"),
+            )
         ]
         if speed_ctx is not None:
-            rows = [
-                s
-                for s in (r.get("speed") or {}).get("rows", [])
-                if s["batch"] == 1 and s["context"] == speed_ctx
-            ]
-            s = rows[0] if rows else {}
-            cells += [
-                _f(s.get("prefill_ms"), ".0f"),
-                _f(s.get("decode_tok_s"), ".2f"),
-                _f(s.get("decode_x"), ".2f"),
-            ]
-        if retrieval_lengths:
+            speed = (r.get("speed") or {}).get("rows", [])
+            s = next((s for s in speed if s["batch"] == 1 and s["context"] == speed_ctx), {})
+            cells += [cell(s.get("prefill_ms"), ".0f"), cell(s.get("decode_tok_s"), ".2f")]
+            cells += [cell(s.get("decode_x"), ".2f")]
+        if lengths:
             acc = (r.get("retrieval") or {}).get("accuracy") or {}
-            cells.append("/".join(_f(acc.get(length), ".2f") for length in retrieval_lengths))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            cells.append("/".join(cell(acc.get(n), ".2f") for n in lengths))
+        lines.append(cells)
+    return table(head, lines)

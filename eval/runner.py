@@ -22,10 +22,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import hashlib
-import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -38,10 +38,11 @@ import torch
 import yaml
 
 from kvquant.eval.caches import CacheSpec, fp16_bytes_per_token, kv_geometry, resolve_specs
-from kvquant.eval.config import EvalConfig, EvalError, load_config
+from kvquant.eval.config import EvalConfig, EvalError, Timing, cast, load_config
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.decode import compare, simulated_logprobs, teacher_forced_logprobs
 from kvquant.eval.memory import measure_memory
+from kvquant.eval.records import RecordStore, claim_folder, write_json
 from kvquant.eval.report import environment, markdown_table
 from kvquant.eval.retrieval import passkey_accuracy
 from kvquant.eval.speed import measure_speed, with_ratios
@@ -62,12 +63,20 @@ class EvalResult:
 # ------------------------------------------------------------------------------------------ setup
 
 
-def _label(text: str) -> str:
+def safe_name(text: str) -> str:
+    """``text`` as a folder name: runs of other characters than ``A-Za-z0-9._-`` become ``-``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+def model_label(name: str) -> str:
+    """The label of a model loaded by name: ``smollm2`` for every alias of the embedded model."""
+    from kvquant.models import EMBEDDED_ALIASES
+
+    return "smollm2" if name.lower() in EMBEDDED_ALIASES else name
 
 
 def load_eval_model(cfg: EvalConfig) -> tuple[Any, Any]:
@@ -122,53 +131,36 @@ def _resolve_lengths(cfg: EvalConfig, limit: int | None) -> list[int]:
     return out
 
 
-def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[int]) -> None:
-    if limit is None:
-        return
-    checks = []
-    if cfg.quality.enabled or cfg.memory.enabled:
-        checks.append(
-            ("quality.prefix_len + quality.score_len", cfg.quality.prefix_len + cfg.quality.score_len)
+def check_context(what: str, tokens: int, limit: int | None, whose: str = "the model's") -> None:
+    if limit is not None and tokens > limit:
+        raise EvalError(
+            f"{what}: context of {tokens} tokens is beyond {whose} limit of {limit} (max_position_embeddings)"
         )
-    if cfg.retrieval.enabled:
-        answer = cfg.retrieval.digits + 2
-        checks += [
-            (f"retrieval.lengths ({length} + {answer} answer tokens)", length + answer)
-            for length in retrieval_lengths
-        ]
-    if cfg.speed.enabled:
-        d = cfg.speed.decode_tokens
-        checks += [(f"speed.context_lengths ({c} + {d} decoded)", c + d) for c in cfg.speed.context_lengths]
-    for what, n in checks:
-        if n > limit:
-            raise EvalError(
-                f"{what}: context of {n} tokens is beyond the model's limit of {limit} (max_position_embeddings)"
-            )
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    records = []
-    if not path.is_file():
-        return records
-    for line in path.read_text().splitlines():
+def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[int]) -> None:
+    q, answer, d = cfg.quality, cfg.retrieval.digits + 2, cfg.speed.decode_tokens
+    if cfg.quality.enabled or cfg.memory.enabled:
+        check_context("quality.prefix_len + quality.score_len", q.prefix_len + q.score_len, limit)
+    for length in retrieval_lengths if cfg.retrieval.enabled else []:
+        check_context(f"retrieval.lengths ({length} + {answer} answer tokens)", length + answer, limit)
+    for c in cfg.speed.context_lengths if cfg.speed.enabled else []:
+        check_context(f"speed.context_lengths ({c} + {d} decoded)", c + d, limit)
+
+
+def check_buildable(specs: list[CacheSpec], model: Any, prefix: str, error: type = EvalError) -> None:
+    """Build every cache once, to fail on an unusable one before any slow work."""
+    for spec in specs:
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by an interruption: that config is redone
-            logger.warning("results.jsonl: skipping an unreadable line")
-    return records
+            spec.build(model)
+        except (ValueError, ImportError) as exc:
+            raise error(f"{prefix}{spec.name!r}: {_one_line(exc)}") from None
 
 
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -193,16 +185,11 @@ def run_eval(
     corpus = load_corpus(cfg.corpus)
     if model is None:
         model, tokenizer = load_eval_model(cfg)
-        model_label = (
-            "smollm2"
-            if cfg.model.name.lower() in ("smollm2", "default", "smollm2-135m-instruct")
-            else cfg.model.name
-        )
-        fingerprint = ""
+        label, fingerprint = model_label(cfg.model.name), ""
     else:
         if tokenizer is None:
             raise EvalError("run_eval: a model object needs its tokenizer (tokenizer=...)")
-        model_label, fingerprint = model.config.model_type, model_fingerprint(model)
+        label, fingerprint = model.config.model_type, model_fingerprint(model)
     device = next(model.parameters()).device
     limit = model_max_context(model)
     retrieval_lengths = _resolve_lengths(cfg, limit)
@@ -213,25 +200,19 @@ def run_eval(
     windows = None
     if cfg.quality.enabled or cfg.memory.enabled:
         windows = make_windows(ids, q.prefix_len, q.score_len, q.windows, cfg.corpus.name)  # [W, P + D]
-    for spec in specs:  # fail on an unusable cache before any slow work
-        try:
-            spec.build(model)
-        except (ValueError, ImportError) as exc:
-            raise EvalError(f"cache {spec.name!r}: {_one_line(exc)}") from None
+    check_buildable(specs, model, "cache ")
 
     corpus_label = (
         cfg.corpus.name if cfg.corpus.name in ("embedded", "wikitext2") else Path(cfg.corpus.name).stem
     )
     identity = cfg.identity_hash(fingerprint)
-    name = cfg.output.name or _label(f"{Path(model_label).name}-{corpus_label}-{q.mode}-{identity}")
+    name = cfg.output.name or safe_name(f"{Path(label).name}-{corpus_label}-{q.mode}-{identity}")
     run_dir = Path(cfg.output.dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    stamp = run_dir / "run.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("identity") != identity:
-        raise EvalError(
-            f"output: {str(run_dir)!r} holds a run of another configuration; choose another output.name"
-        )
-    write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    refusal = EvalError(
+        f"output: {str(run_dir)!r} holds a run of another configuration; choose another output.name"
+    )
+    claim_folder(run_dir / "run.json", identity, fingerprint, refusal)
     (run_dir / "config.yaml").write_text(
         yaml.safe_dump(
             {**cfg.to_dict(), "resolved_caches": {s.name: s.settings for s in specs}}, sort_keys=False
@@ -245,7 +226,7 @@ def run_eval(
         "run": name,
         "identity": identity,
         "model": {
-            "name": cfg.model.name if not fingerprint else f"{model_label} (object {fingerprint})",
+            "name": cfg.model.name if not fingerprint else f"{label} (object {fingerprint})",
             "class": type(model).__name__,
             "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(device),
@@ -262,15 +243,14 @@ def run_eval(
     bar = partial(progress_bar, enabled=cfg.progress)
     ctx = EvalContext(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar)
 
-    jsonl = run_dir / "results.jsonl"
-    done = {r["key"]: r for r in read_records(jsonl)}
-    skipped = [s.name for s in specs if s.key in done]
+    store = RecordStore(run_dir / "results.jsonl", key="key")
+    done = store.records
+    skipped = [s.name for s in specs if s.key in store]
     for s in skipped:
         logger.info("%s: finished in an earlier run, skipped", s)
-    for spec in bar([s for s in specs if s.key not in done], desc="caches"):
+    for spec in bar([s for s in specs if s.key not in store], desc="caches"):
         record = ctx.evaluate(spec)
-        append_record(jsonl, record)
-        done[spec.key] = record
+        store.add(record)
         logger.info("%s: done in %.1f s", spec.name, record["seconds"])
 
     order = [s.key for s in specs]
@@ -307,15 +287,14 @@ class EvalContext:
         """``[W, D, V]`` log-probs of the scored tokens of every window through ``spec``."""
         q, out = self.cfg.quality, []
         for i, window in enumerate(self.windows):
+            cache = spec.build(self.model)
             if q.mode == "decode":
                 steps = partial(self.bar, desc=f"{spec.name} window {i}", leave=False)
                 out.append(
-                    teacher_forced_logprobs(
-                        self.model, window[None], q.prefix_len, spec.build(self.model), progress=steps
-                    )
+                    teacher_forced_logprobs(self.model, window[None], q.prefix_len, cache, progress=steps)
                 )
             else:
-                out.append(simulated_logprobs(self.model, window[None], q.prefix_len, spec.build(self.model)))
+                out.append(simulated_logprobs(self.model, window[None], q.prefix_len, cache))
         return torch.cat(out)
 
     def baseline(self) -> torch.Tensor:
@@ -340,13 +319,7 @@ class EvalContext:
         base = self.baseline()
         test = base if spec.kind == "dynamic" else self.logprobs(spec)
         out = compare(base, test, self.windows[:, q.prefix_len :])
-        return {
-            **out,
-            "mode": q.mode,
-            "windows": q.windows,
-            "prefix_len": q.prefix_len,
-            "score_len": q.score_len,
-        }
+        return {**out, **{k: getattr(q, k) for k in ("mode", "windows", "prefix_len", "score_len")}}
 
     # ---------------------------------------------------------------------------------- speed
 
@@ -356,17 +329,9 @@ class EvalContext:
         builds = {"dynamic": lambda: resolve_specs(["dynamic"])[0].build(self.model)}
         if spec.kind != "dynamic":
             builds["test"] = lambda: spec.build(self.model)
-        rows = measure_speed(
-            self.model,
-            builds,
-            self.ids,
-            context_lengths=s.context_lengths,
-            batch_sizes=s.batch_sizes,
-            decode_tokens=s.decode_tokens,
-            warmup=s.warmup,
-            repeats=s.repeats,
-            progress=self.bar,
-        )
+        grid = {"context_lengths": s.context_lengths, "batch_sizes": s.batch_sizes}
+        timing = dataclasses.asdict(cast(s, Timing))  # decode_tokens, warmup, repeats
+        rows = measure_speed(self.model, builds, self.ids, **grid, **timing, progress=self.bar)
         own = rows["test"] if spec.kind != "dynamic" else rows["dynamic"]
         return {
             "rows": with_ratios(own, rows["dynamic"]),

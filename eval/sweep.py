@@ -16,8 +16,8 @@ model it measures, as separate pieces, each appended to ``results.jsonl`` the mo
 Each piece is keyed by (model, cache name + settings hash, kind, context, batch); a restarted sweep
 skips the pieces it finds and measures only the rest. At the end it writes ``results.csv`` and
 ``results.md`` (one row per (model, cache, context, batch) point), the plots (:mod:`kvquant.eval.plots`)
-with the data behind each, the capacity at ``capacity.budget`` (:func:`kvquant.plan.plan`) and a
-recommendation for the quality budget (:func:`kvquant.eval.sweep_report.recommend`).
+with the data behind each, the capacity at ``capacity.budget`` (:func:`kvquant.planning.plan`) and a
+recommendation for the quality budget (:func:`kvquant.eval.recommend.recommend`).
 
 Example:
     >>> from kvquant.eval.sweep import run_sweep
@@ -28,11 +28,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -42,27 +40,23 @@ from typing import Any
 import torch
 import yaml
 
-from kvquant.eval.caches import (
-    CacheSpec,
-    cache_nbytes,
-    cache_nbytes_16bit,
-    fp16_bytes_per_token,
-    resolve_specs,
-    theoretical_bits,
-)
+from kvquant.eval.caches import CacheSpec, resolve_specs
 from kvquant.eval.config import CorpusSection, EvalError
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
-from kvquant.eval.memory import PeakMemory
+from kvquant.eval.memory import PeakMemory, memory_numbers
+from kvquant.eval.records import RecordStore, claim_folder, write_json
 from kvquant.eval.report import environment
 from kvquant.eval.runner import (
     EvalContext,
-    append_record,
+    check_buildable,
+    check_context,
     load_eval_model,
     model_fingerprint,
+    model_label,
     model_max_context,
     progress_bar,
-    read_records,
-    write_json,
+    release_memory,
+    safe_name,
 )
 from kvquant.eval.speed import measure_speed, prompt_tokens, time_once, with_ratios
 from kvquant.eval.sweep_config import (  # noqa: F401  (re-exported: the sweep's public API)
@@ -71,13 +65,15 @@ from kvquant.eval.sweep_config import (  # noqa: F401  (re-exported: the sweep's
     load_sweep_config,
     sweep_names,
 )
+from kvquant.eval.sweep_report import build_report, record_id
 
 logger = logging.getLogger("kvquant.eval")
 
-KINDS = ("quality", "memory", "speed")
-
-
-# ------------------------------------------------------------------------------------------ result
+# the memory fields of a sweep's point (kvquant eval's memory task records more)
+POINT_MEMORY = tuple(
+    "tokens bytes bytes_per_token effective_bits effective_bits_16bit theoretical_bits peak_bytes "
+    "peak_method peak_rss_bytes".split()
+)
 
 
 @dataclass
@@ -97,80 +93,40 @@ class SweepResult:
         return self.recommendations[0]
 
 
-def record_id(model: str, spec_key: str, kind: str, context: int, batch: int) -> str:
-    return f"{model}|{spec_key}|{kind}|{context}|{batch}"
-
-
-def model_label(name: str) -> str:
-    from kvquant.models import EMBEDDED_ALIASES
-
-    return "smollm2" if name.lower() in EMBEDDED_ALIASES else name
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
-
-
 # ------------------------------------------------------------------------------------------ pieces
 
 
 def _memory_point(model: Any, spec: CacheSpec, stream: torch.Tensor, context: int, batch: int, decode: int):
     """Bytes held and peak memory of one run: prefill ``[batch, context]``, decode ``decode`` tokens."""
-    device = next(model.parameters()).device
     cache = spec.build(model)
-    ids = prompt_tokens(stream, context, batch)  # [B, L]
-    with PeakMemory(device) as pm:
+    ids = prompt_tokens(stream, context, batch)  # [B, L], made before the peak is watched
+    with PeakMemory(next(model.parameters()).device) as pm:
         time_once(model, cache, ids, decode)
-    tokens = cache.get_seq_length()
-    held = cache_nbytes(cache)
-    fp16 = fp16_bytes_per_token(model)  # K + V of one position in fp16: 2 bytes per element
-    per_token = held / (tokens * batch)
-    bits = theoretical_bits(spec, model)
-    return {
-        "tokens": tokens,
-        "bytes": held,
-        "bytes_per_token": per_token,
-        "effective_bits": 16.0 * per_token / fp16,
-        "effective_bits_16bit": 16.0 * cache_nbytes_16bit(cache) / (tokens * batch) / fp16,
-        "theoretical_bits": bits,
-        "peak_bytes": pm.peak_bytes,
-        "peak_method": pm.method,
-        "peak_rss_bytes": pm.peak_rss_bytes,
-    }
+    numbers = memory_numbers(model, spec, cache, pm, sequences=batch)
+    return {k: numbers[k] for k in POINT_MEMORY}
 
 
 def _oom(exc: BaseException) -> dict[str, Any]:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_memory()
     return {"error": f"out of memory ({' '.join(str(exc).split())[:200]})"}
 
 
 class _ModelRun:
     """The pieces of one model: quality per cache, memory and speed per grid point."""
 
-    def __init__(self, cfg, label, specs, done, jsonl, model_dir, model, tok, corpus_section, corpus):
-        self.cfg, self.label, self.specs, self.done, self.jsonl = cfg, label, specs, done, jsonl
+    def __init__(self, cfg, label, specs, store, model_dir, model, tok, corpus_section, corpus):
+        self.cfg, self.label, self.specs, self.store, self.done = cfg, label, specs, store, store.records
         self.model, self.tok = model, tok
         self.bar = partial(progress_bar, enabled=cfg.progress)
         self.measured = 0
-        ecfg = cfg.eval_config(label, corpus_section)
         self.ids = tokenize(tok, corpus.text)  # [N]
-        limit = model_max_context(model)
-        q = cfg.quality
-        if limit is not None:
-            if q.prefix_len + q.score_len > limit:
-                raise SweepError(
-                    f"quality.prefix_len + quality.score_len: {q.prefix_len + q.score_len} tokens is beyond "
-                    f"{label}'s limit of {limit} (max_position_embeddings)"
-                )
-            too_long = [c for c in cfg.grid.contexts if c + cfg.speed.decode_tokens > limit]
-            if too_long:
-                raise SweepError(
-                    f"grid.contexts: {too_long[0]} + {cfg.speed.decode_tokens} decoded tokens is beyond "
-                    f"{label}'s limit of {limit} (max_position_embeddings)"
-                )
+        limit, q, d = model_max_context(model), cfg.quality, cfg.speed.decode_tokens
+        whose = f"{label}'s"
+        check_context("quality.prefix_len + quality.score_len", q.prefix_len + q.score_len, limit, whose)
+        for c in cfg.grid.contexts:
+            check_context(f"grid.contexts ({c} + {d} decoded)", c + d, limit, whose)
         windows = make_windows(self.ids, q.prefix_len, q.score_len, q.windows, cfg.corpus.name)
+        ecfg = cfg.eval_config(label, corpus_section)
         self.ctx = EvalContext(ecfg, model, tok, windows, self.ids, [], model_dir, self.bar)
 
     def _id(self, spec: CacheSpec, kind: str, context: int, batch: int) -> str:
@@ -193,8 +149,7 @@ class _ModelRun:
             kind: data,
             "seconds": seconds,
         }
-        append_record(self.jsonl, record)
-        self.done[rid] = record
+        self.store.add(record)
         self.measured += 1
 
     def quality(self) -> None:
@@ -238,17 +193,10 @@ class _ModelRun:
                 builds[s.key] = s.build
         t0 = time.perf_counter()
         try:
-            rows = measure_speed(
-                self.model,
-                {name: partial(build, self.model) for name, build in builds.items()},
-                self.ids,
-                context_lengths=[context],
-                batch_sizes=[batch],
-                decode_tokens=decode,
-                warmup=self.cfg.speed.warmup,
-                repeats=self.cfg.speed.repeats,
-                progress=self.bar,
-            )
+            builds = {name: partial(build, self.model) for name, build in builds.items()}
+            grid = {"context_lengths": [context], "batch_sizes": [batch]}
+            timing = dataclasses.asdict(self.cfg.speed)  # decode_tokens, warmup, repeats
+            rows = measure_speed(self.model, builds, self.ids, **grid, **timing, progress=self.bar)
         except torch.OutOfMemoryError as exc:
             for s in pending:
                 self._save(s, "speed", context, batch, _oom(exc), 0.0)
@@ -287,6 +235,7 @@ def _corpus(cfg: SweepConfig) -> tuple[CorpusSection, Any]:
 
 
 def _identity(cfg: SweepConfig, corpus: Any, fingerprint: str) -> str:
+    """Hash of what decides a sweep's numbers (the grid and the caches may change between runs)."""
     what = {
         "model": dataclasses.asdict(cfg.model),
         "corpus_sha256": corpus.info["sha256"],
@@ -296,13 +245,6 @@ def _identity(cfg: SweepConfig, corpus: Any, fingerprint: str) -> str:
         "model_object": fingerprint,
     }
     return hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:8]
-
-
-def _release(model: Any) -> None:
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def run_sweep(
@@ -322,8 +264,6 @@ def run_sweep(
         >>> result = run_sweep("default", overrides={"caches": ["dynamic", "int8"], "out": "runs/s"})
         >>> result.points[0]["decode_tok_s"], result.plots[0].name
     """
-    from kvquant.eval.sweep_report import build_report
-
     cfg = load_sweep_config(config, overrides)
     specs = resolve_specs(cfg.caches)
     corpus_section, corpus = _corpus(cfg)
@@ -338,13 +278,11 @@ def run_sweep(
     out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
     out.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, corpus, fingerprint)
-    stamp = out / "sweep.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("identity") != identity:
-        raise SweepError(
-            f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
-            "choose another --out (the grid and the caches may change between runs, not those)"
-        )
-    write_json(stamp, {"identity": identity, "model_fingerprint": fingerprint or None})
+    refusal = SweepError(
+        f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
+        "choose another --out (the grid and the caches may change between runs, not those)"
+    )
+    claim_folder(out / "sweep.json", identity, fingerprint, refusal)
     (out / "config.yaml").write_text(
         yaml.safe_dump(
             {
@@ -355,16 +293,14 @@ def run_sweep(
             sort_keys=False,
         )
     )
-    jsonl = out / "results.jsonl"
-    done = {r["id"]: r for r in read_records(jsonl) if "id" in r}
+    store = RecordStore(out / "results.jsonl", key="id")
     grid = [(c, b) for c in sorted(cfg.grid.contexts) for b in sorted(cfg.grid.batches)]
     skipped = measured = 0
     model_configs: dict[str, Any] = {}
-    devices: list[str] = []
     for name, label in zip(cfg.models if model is None else [None], labels, strict=True):
         ids = [record_id(label, s.key, "quality", cfg.quality.prefix_len, 1) for s in specs]
         ids += [record_id(label, s.key, k, c, b) for s in specs for c, b in grid for k in ("memory", "speed")]
-        todo = [i for i in ids if i not in done]
+        todo = [i for i in ids if i not in store]
         skipped += len(ids) - len(todo)
         if not todo:
             logger.info("%s: every piece finished in an earlier run", label)
@@ -379,17 +315,11 @@ def run_sweep(
             m, tok = load_eval_model(cfg.eval_config(name, corpus_section))
         else:
             m, tok = model, tokenizer
-        model_dir = out / "models" / _safe(label)
+        model_dir = out / "models" / safe_name(label)
         model_dir.mkdir(parents=True, exist_ok=True)
-        device = next(m.parameters()).device
-        devices.append(str(device))
-        write_json(model_dir / "env.json", environment(device))
-        for spec in specs:  # fail on an unusable cache before any slow work
-            try:
-                spec.build(m)
-            except (ValueError, ImportError) as exc:
-                raise SweepError(f"caches: {spec.name!r}: {' '.join(str(exc).split())}") from None
-        run = _ModelRun(cfg, label, specs, done, jsonl, model_dir, m, tok, corpus_section, corpus)
+        write_json(model_dir / "env.json", environment(next(m.parameters()).device))
+        check_buildable(specs, m, "caches: ", SweepError)
+        run = _ModelRun(cfg, label, specs, store, model_dir, m, tok, corpus_section, corpus)
         try:
             run.quality()
             for context, batch in run.bar(grid, desc=f"{label} grid"):
@@ -398,17 +328,7 @@ def run_sweep(
             measured += run.measured
         model_configs[label] = m.config
         if model is None:
-            del run
-            _release(m)
-    report = build_report(cfg, specs, labels, done, model_configs, corpus.info, out)
-    return SweepResult(
-        out_dir=out,
-        records=report["records"],
-        points=report["points"],
-        table=report["table"],
-        markdown=report["markdown"],
-        recommendations=report["recommendations"],
-        plots=report["plots"],
-        skipped=skipped,
-        measured=measured,
-    )
+            del run, m, tok
+            release_memory()
+    report = build_report(cfg, specs, labels, store.records, model_configs, corpus.info, out)
+    return SweepResult(out, **report, skipped=skipped, measured=measured)

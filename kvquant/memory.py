@@ -38,6 +38,12 @@ def tensor_bytes_per_token(cfg: KVQuantConfig, which: str, head_dim: int, fp_ite
     )
 
 
+def format_bits(cfg: KVQuantConfig, which: str, head_dim: int, fp_itemsize: int = 2) -> float:
+    """Bits per element of K (``which="key"``) or V in the main store: codes + scales (+ zero points)
+    amortized; the model dtype's bits for ``none``. The one bits formula (eval, tune, plan use it)."""
+    return 8.0 * tensor_bytes_per_token(cfg, which, head_dim, fp_itemsize) / head_dim
+
+
 def format_bytes_per_token(cfg: KVQuantConfig, heads: int, head_dim: int, fp_itemsize: int = 2) -> float:
     """K + V bytes per token of one layer for one sequence, the format alone (no tail / sinks)."""
     per_head = tensor_bytes_per_token(cfg, "key", head_dim, fp_itemsize)

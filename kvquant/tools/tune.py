@@ -31,6 +31,7 @@ import torch
 
 from kvquant.config import KVQuantConfig
 from kvquant.formats import format_spec
+from kvquant.memory import format_bits
 
 # rung name -> (key_format, value_format); sorted by bits below
 LADDER: dict[str, tuple[str, str]] = {
@@ -57,16 +58,9 @@ def rung_bits(base: KVQuantConfig, formats: tuple[str, str], head_dim: int) -> f
     """Bits per K/V element of a rung's formats with ``base``'s groups and scale dtype (codes and
     scales / zero points; the full-precision sink and residual tokens are the same on every rung)."""
     cfg = dataclasses.replace(base, key_format=formats[0], value_format=formats[1], layer_overrides={})
-    kg, vg = cfg.group_sizes(head_dim)
-    scale_bits = torch.finfo(cfg.torch_scale_dtype).bits
-    bits = []
-    for fmt, group in ((formats[0], kg), (formats[1], vg)):
-        spec = format_spec(fmt)
-        if spec.kind == "passthrough":
-            raise ValueError(f"candidates: a rung may not use the pass-through format, got {formats}")
-        per_group = 0 if cfg.static_scales else scale_bits * (2 if spec.has_zero else 1)
-        bits.append(spec.bits + per_group / group)
-    return sum(bits) / 2
+    if not all(format_spec(f).has_scale for f in formats):
+        raise ValueError(f"candidates: a rung may not use the pass-through format, got {formats}")
+    return (format_bits(cfg, "key", head_dim) + format_bits(cfg, "value", head_dim)) / 2
 
 
 @dataclass

@@ -12,10 +12,9 @@ import yaml
 
 from kvquant.eval import runner as runner_mod
 from kvquant.eval import sweep as sweep_mod
-from kvquant.eval import sweep_config
+from kvquant.eval.config import _configs_dir
+from kvquant.eval.recommend import pareto_front, recommend
 from kvquant.eval.sweep import SweepError, load_sweep_config, run_sweep
-from kvquant.eval.sweep_report import pareto_front, recommend
-from kvquant.tools.cli import main
 
 CACHES = ["dynamic", "int8", "int4"]
 FAST = {
@@ -357,7 +356,7 @@ def test_default_sweep_file():
     assert cfg.name == "default" and cfg.models == ["smollm2"] and cfg.grid.batches == [1]
     assert cfg.caches[:8] == ["dynamic", "int8", "fp8", "k8v4", "int4", "int4-rot", "kivi4", "kivi2"]
     assert "peers" in cfg.caches and cfg.corpus.fallback == "embedded"
-    path = sweep_config._configs_dir() / "sweep_default.yaml"
+    path = _configs_dir() / "sweep_default.yaml"
     assert load_sweep_config(str(path)) == cfg  # by path or by name
 
 
