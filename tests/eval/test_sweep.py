@@ -15,6 +15,7 @@ from kvquant.eval import sweep as sweep_mod
 from kvquant.eval.config import _configs_dir
 from kvquant.eval.recommend import pareto_front, recommend
 from kvquant.eval.sweep import SweepError, load_sweep_config, run_sweep
+from kvquant.tools.cli import main
 
 CACHES = ["dynamic", "int8", "int4"]
 FAST = {
