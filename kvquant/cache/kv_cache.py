@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwar
 
 from kvquant.cache.layer import QuantizedKVLayer, make_layer
 from kvquant.config import KVQuantConfig
+from kvquant.kernels import ops
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
 
@@ -108,6 +109,14 @@ class KVQuantCache(Cache):
         return getattr(self._decoder_config, "_attn_implementation", None) == "kvquant"
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store the new tokens of one layer (see :meth:`QuantizedKVLayer.update`).
+
+        Non-finite keys / values raise ``ValueError``. On CPU the quantize op checks each flush; on
+        CUDA the Triton writes only record a fault on the device (no host sync per flush), and it is
+        raised here, at the first layer of the next forward pass, once per pass.
+        """
+        if layer_idx == 0:
+            ops.raise_deferred()
         layer = self.layers[layer_idx]
         if isinstance(layer, QuantizedKVLayer):
             layer.return_view = self.uses_views()
