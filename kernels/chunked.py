@@ -17,31 +17,24 @@ import torch
 
 from kvquant.formats import format_spec, unpack_codes
 from kvquant.kernels.backend import Backend, DecodeCall
-from kvquant.trellis import trellis_decode
 
 
 def _codes_as_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Codes ``[B, H, c, W]`` -> float32 ``[B, H, c, D]`` (integer levels / codebook levels / fp8 values
-    / raw values)."""
-    spec = format_spec(fmt)
-    if spec.kind == "codebook":  # code -> its level (the scale is folded in like an integer's)
-        return spec.levels.to(codes.device)[unpack_codes(codes, spec.bits).long()]
-    if spec.kind == "trellis":  # code -> the table value at its state (this code and the ones before)
-        return trellis_decode(unpack_codes(codes, spec.bits), spec.bits)
-    if spec.kind == "int_asym":
-        return unpack_codes(codes, spec.bits).float()
-    return codes.float()
+    """Codes ``[B, H, c, W]`` -> float32 ``[B, H, c, D]``: the values before scaling (integer levels,
+    codebook levels, trellis table values at their states, fp8 values, raw values); the scale is
+    folded in like an integer's."""
+    return format_spec(fmt).decode_codes(codes)
 
 
 def _code_planes(codes: torch.Tensor, fmt: str) -> list[torch.Tensor]:
     """Codes ``[B, H, c, W]`` -> float32 planes whose concatenation along the last dim is the head.
 
-    Packed formats come back as their planar pieces (int4: channels ``[0, D/2)`` and ``[D/2, D)``),
-    each extracted from 32-bit words with one shift and mask and widened to float once; no
-    concatenated copy is made.
+    Planar integer codes come back as their planar pieces (int4: channels ``[0, D/2)`` and
+    ``[D/2, D)``), each extracted from 32-bit words with one shift and mask and widened to float
+    once; no concatenated copy is made.
     """
     spec = format_spec(fmt)
-    if spec.kind != "int_asym" or spec.bits == 3:  # one plane: the whole head
+    if not (spec.integer and spec.planar):  # one plane: the whole head
         return [_codes_as_float(codes, fmt)]
     w = codes.shape[-1]
     if w % 4 == 0 and codes.stride(-1) == 1 and codes.storage_offset() % 4 == 0:

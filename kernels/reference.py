@@ -78,7 +78,7 @@ def check_append(x, codes, scale, zero, index, fmt, group_size, axis) -> tuple[i
         block = g
     elif d % g:
         raise ValueError(f"group_size: {g} does not divide head_dim {d}")
-    if spec.kind != "passthrough" and scale is None:
+    if spec.has_scale and scale is None:
         raise ValueError(f"scale: format {fmt} needs a scale buffer")
     if spec.has_zero and zero is None:
         raise ValueError(f"zero: format {fmt} needs a zero-point buffer")
@@ -109,7 +109,7 @@ def quantize_append_ref(
     """
     g, block = check_append(x, codes, scale, zero, index, fmt, group_size, axis)
     n = x.shape[2]
-    if format_spec(fmt).kind == "passthrough":
+    if not format_spec(fmt).has_scale:  # pass-through: a copy
         codes[:, :, index : index + n].copy_(x)
         return
     static = resolve_static(scale, zero, codes, axis, static_scale)
@@ -321,17 +321,10 @@ class ReferenceBackend(Backend):
 
 
 def encode_ref(y: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Codes ``[N, D]`` (uint8, unpacked) of ``y[N, D]`` given in units of the scale, in torch: the
-    nearest level (codebooks) or the Viterbi search (trellis codes)."""
-    spec = format_spec(fmt)
-    if spec.kind == "trellis":
-        from kvquant.trellis import trellis_encode_torch, trellis_table
-
-        return trellis_encode_torch(y, spec.bits, trellis_table(spec.bits, y.device))
-    if spec.kind == "codebook":
-        levels = spec.levels.to(y.device)
-        return torch.bucketize(y.float(), (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
-    raise ValueError(f"fmt: encode searches codebook and trellis codes, not {fmt}")
+    """Codes ``[N, D]`` (unpacked) of ``y[N, D]`` given in units of the scale (above the zero point),
+    in torch: the nearest level of a codebook, the Viterbi search of a trellis code, a rounded
+    integer, an fp8 value."""
+    return format_spec(fmt).encode_units(y)
 
 
 BACKEND = ReferenceBackend()

@@ -67,10 +67,11 @@ class CpuBackend(Backend):
         return quantize_into(x, codes, scale, zero, index, fmt)
 
     def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
-        from kvquant.trellis import _TWO_PASS_FROM, TRELLIS_STATE_BITS, trellis_table
+        from kvquant.formats.trellis import _TWO_PASS_FROM, trellis_table
 
-        bits = format_spec(fmt).bits
-        return trellis_encode_native(y, bits, TRELLIS_STATE_BITS[bits], trellis_table(bits), _TWO_PASS_FROM)
+        spec = format_spec(fmt)
+        bits = spec.bits
+        return trellis_encode_native(y, bits, spec.state_bits, trellis_table(bits), _TWO_PASS_FROM)
 
 
 BACKEND = CpuBackend()

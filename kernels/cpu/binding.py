@@ -24,33 +24,17 @@ def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
     return k_fmt in DECODE_FORMATS and v_fmt in DECODE_FORMATS and head_dim <= MAX_HEAD_DIM
 
 
-_LUTS: dict[str, torch.Tensor] = {}
-
-
-def _lut(fmt: str) -> torch.Tensor | None:
-    """fp32 table code -> level for fp8 and codebook formats; None where the code is the level."""
-    spec = format_spec(fmt)
-    if spec.kind not in ("float", "codebook"):
-        return None
-    if fmt not in _LUTS:
-        if spec.kind == "codebook":  # padded to 16 entries: the kernel loads one 16-lane vector
-            levels = spec.levels.float()
-            _LUTS[fmt] = torch.cat([levels, levels.new_zeros(16 - levels.numel())]).contiguous()
-        else:
-            _LUTS[fmt] = torch.arange(256, dtype=torch.uint8).view(spec.code_dtype).float().contiguous()
-    return _LUTS[fmt]
-
-
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     """Element strides of dims 0..2, 0 where the dim broadcasts (size 1)."""
     st, sh = t.stride(), t.shape
     return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
 
 
-# what kvq_decode reads (a code per element: integers, fp8 and codebooks) and kvq_quantize writes
-DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind not in ("passthrough", "trellis"))
-QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind in ("int_sym", "int_asym"))
-TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).kind == "trellis")
+# what kvq_decode reads (scaled codes that decode one by one: integers, fp8 via its table, codebooks
+# via theirs), what kvq_quantize writes (rounded integers) and what kvq_trellis_encode searches
+DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).has_scale and format_spec(n).elementwise)
+QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).integer)
+TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).state_bits is not None)
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
 _WRITTEN_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # kvq_quantize rounds into these
 
@@ -63,9 +47,9 @@ def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
         codes = codes.contiguous()
     keep.append(codes)
     sb, sh, st = _strides(codes)  # 1-byte codes: element strides are byte strides
-    lut = _lut(fmt)
+    lut = spec.lut()
     op = _Operand(codes.data_ptr() + lo * codes.stride(2), sb, sh, st)
-    op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.kind == "int_sym"), 1, 1
+    op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.signed), 1, 1
     op.lut = None if lut is None else lut.data_ptr()
     if scale is None:
         return op
@@ -240,7 +224,7 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
         codes.data_ptr() + index * codes.stride(2), *cs,
         scale.data_ptr() + index * scale.stride(2) * scale.element_size(),
         zero.data_ptr() + index * zero.stride(2) * zero.element_size(), *ss,
-        _SCALE_DTYPES[scale.dtype], spec.bits, int(spec.kind == "int_sym"), scale.shape[-1],
+        _SCALE_DTYPES[scale.dtype], spec.bits, int(spec.signed), scale.shape[-1],
     )  # fmt: skip
     if rc < 0:
         raise MemoryError("native CPU quantize kernel: out of memory")

@@ -23,20 +23,22 @@ try:
 except ImportError:  # pragma: no cover - triton < 3.4
     INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# format name -> (kind code, bits, qmax); kind: 0 none, 1 int_sym, 2 int_asym, 3 float
-_KIND = {"passthrough": 0, "int_sym": 1, "int_asym": 2, "float": 3}
-# fp8 layouts: (mantissa bits, exponent bias)
-FP8_LAYOUT = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}
 SCALE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def fmt_constants(fmt: str) -> tuple[int, int, float, int, int]:
-    """``(KIND, BITS, QMAX, MANT, BIAS)`` constexprs of a format (fp8 layout zeros for the others)."""
-    spec = format_spec(fmt)
-    mant, bias = FP8_LAYOUT.get(fmt, (0, 0))
-    bits = spec.bits if spec.kind != "passthrough" else 16
-    qmax = spec.qmax if spec.kind != "passthrough" else 0.0
-    return _KIND[spec.kind], bits, float(qmax), mant, bias
+    """``(KIND, BITS, QMAX, MANT, BIAS)`` constexprs of a format (KIND 0 pass-through, 1 signed int,
+    2 int with zero point, 3 fp8; the fp8 layout zeros for the others), from its spec."""
+    constants = format_spec(fmt).triton_constants()
+    if constants is None:
+        raise ValueError(f"fmt: the Triton kernels do not read {fmt}")
+    return constants
+
+
+def fp8_code(fmt: str) -> int:
+    """The decode kernel's ``FP8`` constexpr: 0 not fp8, 1 e4m3fn (3 mantissa bits), 2 e5m2."""
+    kind, _, _, mant, _ = fmt_constants(fmt)
+    return 0 if kind != 3 else (1 if mant == 3 else 2)
 
 
 def is_pow2(n: int) -> bool:

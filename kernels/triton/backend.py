@@ -22,12 +22,8 @@ try:
 except ImportError as err:  # pragma: no cover - triton is a linux dependency
     _IMPORT_ERROR = str(err)
 
-# a code per element the kernels unpack with one shift and mask (not 3-bit planes, not tables)
-FORMATS = frozenset(
-    n
-    for n in FORMAT_NAMES
-    if format_spec(n).kind in ("passthrough", "int_sym", "int_asym", "float") and format_spec(n).bits != 3
-)
+# the formats with Triton constexprs: a code per element unpacked with one shift and mask, no tables
+FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).triton_constants() is not None)
 SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 

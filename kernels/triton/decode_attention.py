@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kvquant.formats import format_spec, is_static_scale
 from kvquant.kernels.reference import check_attention, quantized_decode_attention_ref
-from kvquant.kernels.triton._common import INTERPRET, is_pow2
+from kvquant.kernels.triton._common import INTERPRET, fp8_code, is_pow2
 
 # --------------------------------------------------------------------------------------------- helpers
 
@@ -351,13 +351,10 @@ def merge_splits_kernel(
 # --------------------------------------------------------------------------------------------- launcher
 
 
-_FP8 = {"fp8_e4m3": 1, "fp8_e5m2": 2}
-
-
 def _operand(codes, scale, zero, fmt, group, axis, d):
     """(bits, mode, scale, zero, has_scale, has_zero) of one of K / V for the kernel."""
     spec = format_spec(fmt)
-    if spec.kind == "passthrough":
+    if not spec.has_scale:  # pass-through
         if codes.shape[-1] != d:
             raise ValueError(
                 f"codes: format none needs raw [B, H, cap, {d}] tensors, got {tuple(codes.shape)}"
@@ -508,8 +505,9 @@ def quantized_decode_attention(
         o_str, l_str = o_part.stride(), l_part.stride()
     gq = hq // hkv
     dummy = k_codes  # any pointer for absent scale / zero buffers (never read)
-    k_codes = k_codes.view(torch.uint8) if k_fmt in _FP8 else k_codes  # fp8: decoded from its bytes
-    v_codes = v_codes.view(torch.uint8) if v_fmt in _FP8 else v_codes
+    k_fp8, v_fp8 = fp8_code(k_fmt), fp8_code(v_fmt)
+    k_codes = k_codes.view(torch.uint8) if k_fp8 else k_codes  # fp8: decoded from its bytes
+    v_codes = v_codes.view(torch.uint8) if v_fp8 else v_codes
     decode_attention_split_kernel[(b * hkv, s)](
         q,
         k_codes,
@@ -541,8 +539,8 @@ def quantized_decode_attention(
         BT=bt,
         K_BITS=k_bits,
         V_BITS=v_bits,
-        K_FP8=_FP8.get(k_fmt, 0),
-        V_FP8=_FP8.get(v_fmt, 0),
+        K_FP8=k_fp8,
+        V_FP8=v_fp8,
         K_MODE=k_mode,
         V_MODE=v_mode,
         K_CHANNEL=k_axis == "channel",

@@ -182,7 +182,7 @@ def quantize_append(
     g, _ = check_append(x, codes, scale, zero, index, fmt, group_size, axis)
     b, h, n, d = x.shape
     spec = format_spec(fmt)
-    if spec.kind == "passthrough":
+    if not spec.has_scale:  # pass-through
         codes[:, :, index : index + n].copy_(x)
         return
     if n == 0 or b * h == 0:
@@ -197,7 +197,7 @@ def quantize_append(
         quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
         return
     static = resolve_static(scale, zero, codes, axis, static_scale)
-    if static and spec.kind == "int_asym":
+    if static and not spec.takes_static_scale:
         raise ValueError(f"static_scale: only int8 and fp8 formats take static scales, not {fmt}")
     kind, bits, qmax, mant, bias = fmt_constants(fmt)
     scale_kind = SCALE_KIND[scale_name]
@@ -205,7 +205,9 @@ def quantize_append(
         bt = g
     else:
         bt = min(triton.next_power_of_2(n), max(1, 4096 // d))
-    c = codes.view(torch.uint8) if spec.kind == "float" else codes  # fp8 codes are written as their bits
+    c = (
+        codes.view(torch.uint8) if spec.code_dtype.is_floating_point else codes
+    )  # fp8 codes are written as their bits
     grid = (b * h, triton.cdiv(n, bt))
     quantize_append_kernel[grid](
         x,

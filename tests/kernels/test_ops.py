@@ -81,8 +81,8 @@ def test_bad_calls_get_one_clear_error():
         ops.encode(torch.randn(2, 64), "tcq2", backend="gpu")
     with pytest.raises(ValueError, match=r"backend: chunked cannot run this encode"):
         ops.encode(torch.randn(2, 64), "tcq2", backend="chunked")
-    with pytest.raises(ValueError, match="fmt: encode searches codebook and trellis codes"):
-        ops.encode(torch.randn(2, 64), "int4")
+    with pytest.raises(ValueError, match="fmt: none has no codes to search"):
+        ops.encode(torch.randn(2, 64), "none")
 
 
 # --------------------------------------------------------------------------------------------- quantize

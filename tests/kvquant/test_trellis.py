@@ -8,7 +8,7 @@ import torch
 
 from kvquant import KVQuantConfig
 from kvquant.formats import dequantize, error_bound, format_spec, lloyd_max_levels, quantize, unpack_codes
-from kvquant.trellis import (
+from kvquant.formats.trellis import (
     TRELLIS_STATE_BITS,
     _viterbi,
     trellis_decode,
@@ -17,7 +17,7 @@ from kvquant.trellis import (
     trellis_states,
     trellis_table,
 )
-from kvquant.trellis_tables import TABLES
+from kvquant.formats.trellis_tables import TABLES
 
 # mean squared error per channel of the Lloyd-Max scalar codebook on a standard normal
 LLOYD_MAX_MSE = {2: 0.1175, 3: 0.03454}
@@ -104,7 +104,7 @@ def test_two_pass_encoder_is_within_one_percent_of_the_best_circle(bits):
 def test_c_encoder_gives_the_codes_of_its_torch_twin(bits, n, d):
     """The C encoder (CPU) against the torch twin, with the shipped table and with another one
     (training passes its own): the same codes, including where errors tie."""
-    from kvquant.native import native_available, trellis_encode_native
+    from kvquant.kernels.cpu import native_available, trellis_encode_native
 
     if not native_available():
         pytest.skip("no C compiler: the torch twin is the only encoder")

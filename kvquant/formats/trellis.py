@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from kvquant.trellis_tables import TABLES
+from kvquant.formats.trellis_tables import TABLES
 
 # bits per channel -> state bits L (a multiple of the bits)
 TRELLIS_STATE_BITS = {2: 8, 3: 9}
@@ -161,7 +161,7 @@ def trellis_encode_torch(y: torch.Tensor, bits: int, table: torch.Tensor) -> tor
 def train_trellis_table(
     bits: int, *, iterations: int, vectors: int, head_dim: int = 64, seed: int = 0
 ) -> list[float]:
-    """Lloyd's iteration for the ``bits``-per-channel table (how ``kvquant/trellis_tables.py`` is made).
+    """Lloyd's iteration for the ``bits``-per-channel table (how ``kvquant/formats/trellis_tables.py`` is made).
 
     Starts from the normal quantiles of ``2**L`` evenly spaced probabilities in a random order; each
     iteration encodes ``vectors`` fresh standard normal vectors of ``head_dim`` channels with the
@@ -182,8 +182,8 @@ def train_trellis_table(
 
 def _write_tables(path: str, iterations: int, vectors: int) -> None:
     lines = [
-        '"""Reconstruction tables of the trellis codes (:mod:`kvquant.trellis`). Generated, do not edit:',
-        f"``python -m kvquant.trellis`` ({iterations} Lloyd iterations of {vectors} standard normal",
+        '"""Reconstruction tables of the trellis codes (:mod:`kvquant.formats.trellis`). Generated, do not edit:',
+        f"``python -m kvquant.formats.trellis`` ({iterations} Lloyd iterations of {vectors} standard normal",
         'vectors of 64 channels each; see ``train_trellis_table``)."""',
         "",
         "# fmt: off",

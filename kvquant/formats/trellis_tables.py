@@ -1,5 +1,5 @@
-"""Reconstruction tables of the trellis codes (:mod:`kvquant.trellis`). Generated, do not edit:
-``python -m kvquant.trellis`` (30 Lloyd iterations of 16384 standard normal
+"""Reconstruction tables of the trellis codes (:mod:`kvquant.formats.trellis`). Generated, do not edit:
+``python -m kvquant.formats.trellis`` (30 Lloyd iterations of 16384 standard normal
 vectors of 64 channels each; see ``train_trellis_table``)."""
 
 # fmt: off

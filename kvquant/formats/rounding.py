@@ -1,0 +1,54 @@
+"""Directed rounding into narrow dtypes: scales rounded up, zero points down, so codes never clip."""
+
+from __future__ import annotations
+
+import torch
+
+_FP8_GRIDS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _fp8_grid(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of an 8-bit float dtype, ascending, as fp32 ``[n]``."""
+    if dtype not in _FP8_GRIDS:
+        v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+        grid = torch.unique(v[torch.isfinite(v)])  # sorted; -0 and +0 merge
+        _FP8_GRIDS[dtype] = torch.where(grid == 0, torch.zeros_like(grid), grid)  # as +0
+    return _FP8_GRIDS[dtype]
+
+
+def round_to_dtype(x: torch.Tensor, dtype: torch.dtype, direction: int) -> torch.Tensor:
+    """Cast fp32 ``x`` to ``dtype`` rounding up (``direction=+1``) or down (``-1``), not to nearest.
+
+    Underflow rounds up to the smallest subnormal instead of 0; overflow gives ``inf`` (NaN for
+    ``float8_e4m3fn``, which holds no infinity, where a plain cast would saturate silently).
+
+    Example:
+        >>> round_to_dtype(torch.tensor([1 / 3]), torch.float16, +1).item() > 1 / 3
+        True
+    """
+    if dtype.itemsize == 1:  # 8-bit floats: the nearest grid value on the asked side
+        grid = _fp8_grid(dtype).to(x.device)
+        xf = x.float().contiguous()
+        if direction > 0:
+            i = torch.searchsorted(grid, xf)
+            out = i >= grid.numel()
+        else:
+            i = torch.searchsorted(grid, xf, right=True) - 1
+            out = i < 0
+        y = grid[i.clamp(0, grid.numel() - 1)]
+        return torch.where(out | torch.isnan(xf), torch.full_like(y, float("nan")), y).to(dtype)
+    y = x.to(dtype)
+    if dtype == torch.float32:
+        return y
+    yf = y.float()
+    wrong = yf < x if direction > 0 else yf > x
+    toward = torch.full_like(y, float("inf") if direction > 0 else float("-inf"))
+    return torch.where(wrong, torch.nextafter(y, toward), y)
+
+
+def round_nearest_positive(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``raw > 0`` to the nearer of its two neighbours in ``dtype``, never down to 0 (overflow
+    still NaN / inf): for scales that keep no bound, where rounding up would inflate norms."""
+    up, down = round_to_dtype(raw, dtype, +1), round_to_dtype(raw, dtype, -1)
+    use_down = (down.float() > 0) & (raw - down.float() < up.float() - raw)
+    return torch.where(use_down, down, up)
