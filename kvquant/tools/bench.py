@@ -92,7 +92,7 @@ def bench_cpu(
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        from kvquant.native import native_available, native_error
+        from kvquant.kernels.cpu import native_available, native_error
 
         meta = {
             "torch": torch.__version__,

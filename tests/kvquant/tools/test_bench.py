@@ -2,8 +2,8 @@
 
 import json
 
+from kvquant.kernels.cpu import native_available
 from kvquant.models import tiny_model
-from kvquant.native import native_available
 from kvquant.tools.bench import bench_cpu
 from kvquant.tools.cli import build_parser
 
