@@ -99,13 +99,15 @@ def quantize_append_ref(
     axis: str = "token",
     *,
     static_scale: bool | None = None,
+    encoder=None,
 ) -> None:
     """Quantize ``x[B, H, n, D]`` into the store buffers at buffer index ``index``, in place.
 
     Buffers as :class:`kvquant.store.TokenStore` allocates them: ``codes[B, H, cap, W]``, ``scale`` /
     ``zero`` ``[B, H, cap, D / G]`` (token axis) or ``[B, H, cap / G, D]`` (channel axis; ``index``
     and ``n`` multiples of ``G``). A static per-head ``scale[1, H, 1, 1]`` is read, not written (see
-    :func:`resolve_static`). ``none`` copies ``x`` into ``codes``.
+    :func:`resolve_static`). ``none`` copies ``x`` into ``codes``. ``encoder``: the trellis search to
+    use (see :func:`kvquant.formats.quantize`; default the torch one).
     """
     g, block = check_append(x, codes, scale, zero, index, fmt, group_size, axis)
     n = x.shape[2]
@@ -120,6 +122,7 @@ def quantize_append_ref(
         axis=axis,
         scale_dtype=scale.dtype,
         static_scale=scale.flatten() if static else None,
+        encoder=encoder,
     )
     codes[:, :, index : index + n].copy_(q.codes)
     if static:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvquant.formats import format_spec
+from kvquant.formats.trellis import TRELLIS_STATE_BITS, TWO_PASS_FROM, trellis_table
 from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall
 from kvquant.kernels.cpu.binding import (
     _SCALE_DTYPES,
@@ -18,6 +19,7 @@ from kvquant.kernels.cpu.binding import (
     trellis_encode_native,
 )
 from kvquant.kernels.cpu.build import native_available, native_error
+from kvquant.kernels.reference import quantize_append_ref
 
 
 class CpuBackend(Backend):
@@ -53,25 +55,33 @@ class CpuBackend(Backend):
         return None
 
     def supports_encode(self, call: EncodeCall) -> str | None:
-        return None if call.fmt in TRELLIS_FORMATS else f"searches {', '.join(sorted(TRELLIS_FORMATS))}"
+        if call.fmt not in TRELLIS_FORMATS:
+            return f"searches {', '.join(sorted(TRELLIS_FORMATS))}"
+        spec = format_spec(call.fmt)
+        if call.head_dim * spec.bits < spec.state_bits:
+            return "a head of at least one state"
+        return None
 
     def decode_attention(self, *tensors, **kw):
         return decode_attention_native(*tensors, **kw)
 
     def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
-        if fmt in TRELLIS_FORMATS:
-            from kvquant.kernels.reference import quantize_append_ref
-
-            quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=False)
+        if fmt in TRELLIS_FORMATS:  # the spec's scales, the C search (the spec's codes)
+            quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, encoder=search)
             return True
         return quantize_into(x, codes, scale, zero, index, fmt)
 
     def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
-        from kvquant.formats.trellis import _TWO_PASS_FROM, trellis_table
+        return search(y, format_spec(fmt).bits)
 
-        spec = format_spec(fmt)
-        bits = spec.bits
-        return trellis_encode_native(y, bits, spec.state_bits, trellis_table(bits), _TWO_PASS_FROM)
+
+def search(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """The trellis search in C: codes ``[N, D]`` (uint8) of ``y[N, D]`` (CPU), those of
+    :func:`kvquant.formats.trellis.trellis_encode`; an ``Encoder`` for :func:`kvquant.formats.quantize`."""
+    codes = trellis_encode_native(y, bits, TRELLIS_STATE_BITS[bits], trellis_table(bits), TWO_PASS_FROM)
+    if codes is None:  # (not built: ops never picks this backend then)
+        raise RuntimeError(f"C trellis search unavailable: {native_error()}")
+    return codes
 
 
 BACKEND = CpuBackend()

@@ -13,7 +13,7 @@ import torch
 
 from kvquant.formats.rounding import round_nearest_positive, round_to_dtype
 from kvquant.formats.spec import Encoder, FormatSpec, check_finite
-from kvquant.formats.trellis import TRELLIS_STATE_BITS, trellis_decode, trellis_encode
+from kvquant.formats.trellis import TRELLIS_STATE_BITS, check_channels, trellis_decode, trellis_encode
 from kvquant.formats.trellis_tables import TABLES
 
 # codebook formats try these multiples of the group's RMS as its scale and keep the best one
@@ -234,6 +234,7 @@ class Trellis(FormatSpec):
         search = round_to_dtype(torch.where(rms == 0, torch.ones_like(rms), rms), scale_dtype, +1).float()
         check_finite(xg, search, scale_dtype=scale_dtype)
         d = xg.shape[-1] * xg.shape[-2]
+        check_channels(d, self.bits)
         y = (xg / search).reshape(-1, d)  # [N, D]: whole head vectors, in units of each group's scale
         codes = (encoder or trellis_encode)(y, self.bits)  # [N, D]
         levels = trellis_decode(codes, self.bits).view(xg.shape)

@@ -20,9 +20,9 @@ From 64 channels on, the encoder runs two Viterbi passes: one over the vector ro
 channels (so the seam lies inside the path), which fixes the ``m - 1`` codes that wrap around, and
 one with those codes as the history before channel 0 and the required end (exactly optimal under
 that constraint); on 64 channels its error is within 0.5% of the exact circular optimum. Shorter
-heads try every history (``2**(L - k)`` constrained passes) and get the exact optimum. On CPU the
-search runs in C (``kvq_trellis_encode`` in ``csrc/decode_cpu.c``, the same codes as the torch twin
-:func:`trellis_encode_torch`, which runs elsewhere and without a compiler).
+heads try every history (``2**(L - k)`` constrained passes) and get the exact optimum. This module
+is the spec, in torch; the C twin (``kvq_trellis_encode`` in ``kernels/cpu/decode_cpu.c``, the same
+codes) is a backend of ``kvquant.kernels.ops.encode``, which the cache's write path uses on CPU.
 
 Example:
     >>> y = torch.randn(5, 64)
@@ -43,7 +43,7 @@ from kvquant.formats.trellis_tables import TABLES
 # bits per channel -> state bits L (a multiple of the bits)
 TRELLIS_STATE_BITS = {2: 8, 3: 9}
 _CHUNK = 2048  # vectors per Viterbi batch (back pointers: 8 * D * chunk * 2**(L-k) bytes)
-_TWO_PASS_FROM = 64  # head sizes from which the two-pass search replaces trying every history
+TWO_PASS_FROM = 64  # head sizes from which the two-pass search replaces trying every history
 
 
 def trellis_table(bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -123,24 +123,23 @@ def trellis_encode(y: torch.Tensor, bits: int, table: torch.Tensor | None = None
     module docstring). ``D`` must be at least the ``m`` codes of a state. ``table``: another
     ``[2**L]`` table than the shipped one (training)."""
     table = trellis_table(bits, y.device) if table is None else table
-    n, d = y.shape
-    m = TRELLIS_STATE_BITS[bits] // bits
-    if d < m:
-        raise ValueError(f"head_dim: trellis codes of {bits} bits need at least {m} channels, got {d}")
-    from kvquant.kernels.cpu import trellis_encode_native  # (it imports formats, which imports this)
-
-    native = trellis_encode_native(y, bits, TRELLIS_STATE_BITS[bits], table, _TWO_PASS_FROM)
-    if native is not None:  # CPU: the C twin, the same codes
-        return native
+    check_channels(y.shape[-1], bits)
     return trellis_encode_torch(y, bits, table)
 
 
+def check_channels(d: int, bits: int) -> None:
+    """``ValueError`` unless a head of ``d`` channels holds the ``m`` codes of a state."""
+    m = TRELLIS_STATE_BITS[bits] // bits
+    if d < m:
+        raise ValueError(f"head_dim: trellis codes of {bits} bits need at least {m} channels, got {d}")
+
+
 def trellis_encode_torch(y: torch.Tensor, bits: int, table: torch.Tensor) -> torch.Tensor:
-    """The torch twin of the C encoder (``kvq_trellis_encode``): :func:`trellis_encode` on any device."""
+    """The torch search of :func:`trellis_encode` (the C encoder ``kvq_trellis_encode`` is its twin)."""
     n, d = y.shape
     n_hist = table.numel() >> bits  # words of the m - 1 codes before channel 0
     out = torch.empty(n, d, dtype=torch.uint8, device=y.device)
-    exact = d < _TWO_PASS_FROM
+    exact = d < TWO_PASS_FROM
     chunk = max(_CHUNK // n_hist, 1) if exact else _CHUNK
     for i in range(0, n, chunk):
         yc = y[i : i + chunk].float()

@@ -180,6 +180,21 @@ def test_every_quantize_backend_writes_the_same_codes(backend, fmt):
             raise
 
 
+@pytest.mark.parametrize("fmt", ["tcq2", "tcq3", "nuq4", "int4", "fp8_e5m2"])
+@pytest.mark.parametrize("d", [4, 16, 64, 96])
+def test_encode_gives_the_same_codes_on_every_backend(fmt, d):
+    from kvquant.formats.trellis import trellis_encode
+
+    torch.manual_seed(d)
+    y = torch.randn(37, d)
+    ref = ops.encode(y, fmt, backend="reference")
+    assert torch.equal(ops.encode(y, fmt).view(torch.uint8), ref.view(torch.uint8))
+    if format_spec(fmt).state_bits is not None:
+        assert torch.equal(ref, trellis_encode(y, format_spec(fmt).bits))
+        if HAS_C:
+            assert torch.equal(ops.encode(y, fmt, backend="cpu"), ref)
+
+
 @pytest.mark.parametrize("backend", [None, "reference", "cpu", "triton"])
 @pytest.mark.parametrize("fmt", ["int4", "nuq3", "tcq2"])
 def test_nan_input_raises_the_spec_error(backend, fmt):

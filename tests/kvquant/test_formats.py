@@ -10,6 +10,7 @@ from kvquant.formats import (
     dequantize,
     error_bound,
     format_spec,
+    lloyd_max_levels,
     pack_codes,
     quantize,
     round_to_dtype,
@@ -187,3 +188,113 @@ def test_wide_heads_with_outlier_channels_int8_preset_keeps_error_target(amplitu
     target = _sqnr_db(clean, y_clean) - 6.02
     assert _sqnr_db(x, y_preset) >= target
     assert _sqnr_db(x, y_head) < target
+
+
+# ------------------------------------------------------------------------------------ formats as objects
+
+
+def test_every_format_is_one_object_of_its_family():
+    from kvquant.formats import FormatSpec
+
+    for name in FORMAT_NAMES:
+        spec = format_spec(name)
+        assert isinstance(spec, FormatSpec) and spec.name == name and format_spec(name) is spec
+        assert spec.kind in ("passthrough", "int_sym", "int_asym", "float", "codebook", "trellis")
+        assert spec.has_scale == (name != "none")
+        assert spec.elementwise == (spec.kind != "trellis")
+
+
+def test_bytes_per_token_is_codes_plus_amortized_scales():
+    int4, int2, nuq3 = format_spec("int4"), format_spec("int2"), format_spec("nuq3")
+    assert format_spec("none").bytes_per_token(64, 64, "token", 2, fp_itemsize=4) == 64 * 4
+    assert int4.bytes_per_token(64, 64, "token", 2) == 32 + 2 + 2  # codes + fp16 scale + zero point
+    assert int4.bytes_per_token(64, 16, "token", 4) == 32 + 4 * 8
+    assert int2.bytes_per_token(64, 32, "channel", 2) == 16 + 64 * 4 / 32  # KIVI keys: a row per block
+    assert format_spec("int8").bytes_per_token(128, 128, "token", 2, static=True) == 128  # codes only
+    assert nuq3.bytes_per_token(128, 32, "token", 1) == 48 + 4  # 8-bit scales, no zero point
+    assert nuq3.bits_per_element(128, 32, "token", 1) == 3 + 8 / 32
+    for name in FORMAT_NAMES[1:]:  # bits per element = bits + scale bits per group, on both axes
+        spec = format_spec(name)
+        per = 2 if spec.has_zero else 1
+        for axis in ("token", "channel"):
+            assert spec.bits_per_element(64, 16, axis, 2) == spec.bits + 16 * per / 16
+
+
+def test_lookup_tables_where_a_kernel_needs_one():
+    for name in ("fp8_e4m3", "fp8_e5m2"):
+        spec = format_spec(name)
+        lut = spec.lut()
+        assert lut.shape == (256,) and lut.dtype == torch.float32
+        codes = torch.arange(256, dtype=torch.uint8)
+        assert torch.equal(lut.nan_to_num(7.0), codes.view(spec.code_dtype).float().nan_to_num(7.0))
+    for name in ("nuq4", "nuq3", "nuq2"):
+        spec = format_spec(name)
+        lut = spec.lut()
+        assert lut.shape == (16,) and torch.equal(lut[: 2**spec.bits], lloyd_max_levels(spec.bits))
+        assert (lut[2**spec.bits :] == 0).all()
+    for name in ("none", "int8", "int4", "int3", "int2", "tcq2", "tcq3"):
+        assert format_spec(name).lut() is None
+
+
+def test_triton_constants_and_fp8_layouts():
+    assert format_spec("none").triton_constants() == (0, 16, 0.0, 0, 0)
+    assert format_spec("int8").triton_constants() == (1, 8, 127.0, 0, 0)
+    assert format_spec("int4").triton_constants() == (2, 4, 15.0, 0, 0)
+    assert format_spec("fp8_e4m3").triton_constants() == (3, 8, 448.0, 3, 7)
+    assert format_spec("fp8_e5m2").triton_constants() == (3, 8, 57344.0, 2, 15)
+    for name in ("int3", "nuq4", "nuq2", "tcq2", "tcq3"):  # 3-bit planes, tables, states
+        assert format_spec(name).triton_constants() is None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "fp8_e4m3", "nuq3", "tcq2"])
+def test_levels_of_codes_and_codes_of_levels_round_trip(fmt):
+    """``encode_units`` / ``levels_of``: what quantize and dequantize do between scaling steps."""
+    spec = format_spec(fmt)
+    torch.manual_seed(0)
+    y = torch.randn(6, 64) * (spec.qmax / 3 if spec.integer else 1.0)
+    if spec.has_zero:
+        y = y.abs()
+    codes = spec.encode_units(y)
+    assert codes.shape == y.shape
+    again = spec.encode_units(spec.levels_of(codes))
+    assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8))  # levels are fixed points
+    stored = pack_codes(codes, spec.bits) if spec.packed else codes
+    assert torch.equal(spec.decode_codes(stored), spec.levels_of(codes))
+
+
+def test_the_spec_imports_nothing_else_of_kvquant():
+    """formats < kernels < cache ...: the spec never calls C, never reads the environment."""
+    import ast
+    from pathlib import Path
+
+    import kvquant.formats
+
+    folder = Path(kvquant.formats.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name == "kvquant" or name.startswith("kvquant."):
+                    assert name.startswith("kvquant.formats"), f"{path.name} imports {name}"
+
+
+def test_an_injected_encoder_searches_the_trellis_codes():
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 5, 64)
+    calls = []
+
+    def encoder(y, bits):
+        calls.append((tuple(y.shape), bits))
+        from kvquant.formats.trellis import trellis_encode
+
+        return trellis_encode(y, bits)
+
+    got = quantize(x, "tcq3", encoder=encoder)
+    want = quantize(x, "tcq3")
+    assert calls == [((10, 64), 3)]
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
