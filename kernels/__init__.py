@@ -1,17 +1,26 @@
-"""Triton kernels for kvquant, installed as ``kvquant.kernels`` (never as a top-level ``kernels``).
+"""kvquant's kernels, installed as ``kvquant.kernels`` (never as a top-level ``kernels``).
 
-Every kernel has a plain-torch twin in ``kernels/reference.py`` with the same signature:
+Every op has one signature and one dispatch, :mod:`kvquant.kernels.ops` (``quantize_append``,
+``decode_attention``, ``encode``, ``backend_for``); the backends it picks from, in that order:
 
-=======================================  ==========================================
-Triton (``quantize``, ``decode_attention``)  reference (``reference``)
-=======================================  ==========================================
-:func:`quantize_append`                  :func:`quantize_append_ref`
-:func:`quantized_decode_attention`       :func:`quantized_decode_attention_ref`
-=======================================  ==========================================
+=========================  ===============================================================
+``triton/``                Triton kernels (CUDA; ``TRITON_INTERPRET=1`` runs them on CPU)
+``cpu/``                   C kernels via ctypes, built at first use
+``chunked.py``             chunked torch decode, any device
+``reference.py``           plain-torch twins: the spec the others are tested against
+=========================  ===============================================================
 
-plus :func:`merge_attention` (torch) to combine partial attentions by log-sum-exp. Pick the
-implementation with :func:`use_triton`. Triton reads ``TRITON_INTERPRET`` when the kernels are
-decorated, i.e. when this package is first imported: set it before that to run them on CPU.
+Each backend declares what it supports (:mod:`kvquant.kernels.backend`). Exported here as before:
+the Triton kernels and their twins (:func:`quantize_append` / :func:`quantize_append_ref`,
+:func:`quantized_decode_attention` / :func:`quantized_decode_attention_ref`), :func:`merge_attention`
+(torch) to combine partial attentions by log-sum-exp, and :func:`use_triton`. Triton reads
+``TRITON_INTERPRET`` when the kernels are decorated, i.e. when this package is first imported:
+set it before that to run them on CPU.
+
+Example:
+    >>> from kvquant.kernels import ops
+    >>> ops.backend_for("decode_attention", fmt="int4", head_dim=128, device="cuda")
+    'triton'
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -60,8 +61,8 @@ def _why_not(backend: Backend, op: str, call, forced: bool) -> str | None:
     return check(call) or backend.available()
 
 
-def _pick(op: str, call, backend: str | None) -> list[Backend]:
-    """The backends to try for ``call`` in order (the forced one alone)."""
+def _pick(op: str, call, backend: str | None) -> Iterator[Backend]:
+    """The backends to try for ``call`` in order, checked lazily (the forced one alone)."""
     if backend is not None:
         names = [b.name for b in backends()]
         if backend not in names:
@@ -70,8 +71,8 @@ def _pick(op: str, call, backend: str | None) -> list[Backend]:
         reason = _why_not(b, op, call, forced=True)
         if reason is not None:
             raise ValueError(f"backend: {backend} cannot run this {op} ({reason})")
-        return [b]
-    return [b for b in backends() if _why_not(b, op, call, forced=False) is None]
+        return iter([b])
+    return (b for b in backends() if _why_not(b, op, call, forced=False) is None)
 
 
 # --------------------------------------------------------------------------------------------- quantize
@@ -182,7 +183,7 @@ def decode_attention(
         None if v_scale is None else v_scale.dtype,
         fp,
     )
-    b = _pick("decode_attention", call, backend)[0]
+    b = next(_pick("decode_attention", call, backend))
     kw = dict(
         k_fmt=k_fmt,
         v_fmt=v_fmt,
@@ -219,7 +220,7 @@ def encode(y: torch.Tensor, fmt: str, *, backend: str | None = None) -> torch.Te
     if y.dim() != 2:
         raise ValueError(f"y: expected [N, D], got shape {tuple(y.shape)}")
     call = EncodeCall(fmt, y.shape[-1], y.device.type)
-    return _pick("encode", call, backend)[0].encode(y, fmt)
+    return next(_pick("encode", call, backend)).encode(y, fmt)
 
 
 # --------------------------------------------------------------------------------------------- which
@@ -274,7 +275,7 @@ def backend_for(op_name: str, **call) -> str:
         )
     if call:
         raise ValueError(f"call: unknown fields for {op_name}: {', '.join(sorted(call))}")
-    return _pick(op_name, desc, None)[0].name
+    return next(_pick(op_name, desc, None)).name
 
 
 __all__ = [

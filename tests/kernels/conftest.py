@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
         for name in (
             "kvquant.kernels.triton._common",
             "kvquant.kernels.triton.quantize",
+            "kvquant.kernels.triton.decode_kernels",
             "kvquant.kernels.triton.decode_attention",
         ):
             if name in sys.modules:

@@ -1,0 +1,318 @@
+"""The Triton kernels of flash-decoding over a quantized store (the launcher is ``decode_attention``).
+
+``decode_attention_split_kernel``: program ``(b, h, s)`` serves the ``G_q`` query heads of KV head
+``h`` over the ``s``-th share of the row's tiles, dequantizing codes in the loop (see
+:mod:`kvquant.kernels.triton.decode_attention` for the scale modes and the precision argument);
+``merge_splits_kernel`` merges the split partials by log-sum-exp.
+"""
+
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def load_codes(
+    p_c,
+    o_t,
+    m_t,
+    stride_t,
+    stride_w,
+    BT: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Code values of tokens ``o_t`` as fp32 ``[BT, D]`` in channel order (planar int4 / int2 unpacked).
+
+    fp8 codes arrive as their bytes (``FP8`` 1: e4m3fn, 2: e5m2) and are decoded through fp16 bit
+    patterns (exact, no fp8 hardware or fp8 casts needed): e5m2 is the high byte of an fp16; e4m3's
+    exponent / mantissa shifted into fp16 position is the value times 2**-8.
+    """
+    PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
+    W: tl.constexpr = D // PB
+    o_w = tl.arange(0, W)
+    b_c = tl.load(
+        p_c + o_t[:, None] * stride_t + o_w[None, :] * stride_w, mask=m_t[:, None], other=0.0
+    )  # [BT, W]
+    if PB == 2:  # byte j: channel j (low nibble), channel j + W (high nibble)
+        b_c = tl.join(b_c & 0xF, b_c >> 4)  # [BT, W, 2]
+        b_c = tl.reshape(tl.permute(b_c, (0, 2, 1)), (BT, D))  # [BT, D]
+    elif PB == 4:  # byte j: channels j, j + W, j + 2W, j + 3W from the low bit pair up
+        b_c = tl.join(tl.join(b_c & 3, (b_c >> 2) & 3), tl.join((b_c >> 4) & 3, b_c >> 6))  # [BT, W, 2, 2]
+        b_c = tl.reshape(tl.permute(b_c, (0, 3, 2, 1)), (BT, D))  # [BT, D]: plane 2 * i3 + i2
+    if FP8 == 1:
+        b_c = b_c.to(tl.uint16)
+        b_c = ((b_c & 0x80) << 8) | ((b_c & 0x7F) << 7)
+        b_c = b_c.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    elif FP8 == 2:
+        b_c = (b_c.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    return b_c.to(tl.float32)
+
+
+@triton.jit
+def split_f16(a):
+    """fp32 ``a[M, K]`` -> ``(hi, lo, pow2)`` with ``a ~= (hi + lo) * pow2[:, None]`` to 22 bits.
+
+    ``pow2`` (per row) brings the row's largest magnitude into ``[1, 2)``, so ``hi`` / ``lo`` are in
+    fp16 range; a zero row gets ``pow2 = 1``.
+    """
+    e_bits = tl.max(tl.abs(a), axis=1).to(tl.int32, bitcast=True) & 0x7F800000  # [M]
+    e_bits = tl.where(e_bits == 0, 127 << 23, e_bits)
+    pow2 = e_bits.to(tl.float32, bitcast=True)
+    inv = ((254 << 23) - e_bits).to(tl.float32, bitcast=True)
+    a = a * inv[:, None]
+    hi = a.to(tl.float16)
+    lo = (a - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo, pow2
+
+
+@triton.jit
+def dot_split(a, b):
+    """``a @ b`` in fp32 for fp32 ``a[M, K]`` and fp16 ``b[K, N]`` whose values are exact in fp16."""
+    hi, lo, pow2 = split_f16(a)
+    acc = tl.dot(hi, b)
+    acc = tl.dot(lo, b, acc)
+    return acc * pow2[:, None]
+
+
+@triton.jit
+def tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def decode_attention_split_kernel(
+    p_q,
+    p_kc,
+    p_ks,
+    p_kz,
+    p_vc,
+    p_vs,
+    p_vz,
+    p_start,
+    p_o,
+    p_lse,
+    end,
+    num_splits,
+    Hkv,
+    scaling,
+    softcap,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kcb,
+    stride_kch,
+    stride_kct,
+    stride_kcw,
+    stride_ksb,
+    stride_ksh,
+    stride_ksr,
+    stride_ksg,
+    stride_kzb,
+    stride_kzh,
+    stride_kzr,
+    stride_kzg,
+    stride_vcb,
+    stride_vch,
+    stride_vct,
+    stride_vcw,
+    stride_vsb,
+    stride_vsh,
+    stride_vsr,
+    stride_vsg,
+    stride_vzb,
+    stride_vzh,
+    stride_vzr,
+    stride_vzg,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    GQ: tl.constexpr,
+    GQP: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    K_FP8: tl.constexpr,
+    V_FP8: tl.constexpr,
+    K_MODE: tl.constexpr,
+    V_MODE: tl.constexpr,
+    K_CHANNEL: tl.constexpr,
+    K_G: tl.constexpr,
+    V_G: tl.constexpr,
+    K_SCALE: tl.constexpr,
+    K_ZERO: tl.constexpr,
+    V_SCALE: tl.constexpr,
+    V_ZERO: tl.constexpr,
+    Q_SPLIT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    i_bh, i_s = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
+    o_g = tl.arange(0, GQP)  # query heads of the group (padded to GQP >= 16 rows for tl.dot)
+    m_g = o_g < GQ
+    o_d = tl.arange(0, D)
+
+    p_q = p_q + i_b * stride_qb + (i_h * GQ + o_g)[:, None] * stride_qh + o_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_g[:, None], other=0.0).to(tl.float32)  # [GQP, D]
+    b_qsum = tl.sum(b_q, axis=1)  # [GQP]
+    if K_MODE == 0:
+        if Q_SPLIT:
+            b_qhi, b_qlo, b_qp2 = split_f16(b_q)  # [GQP, D], [GQP, D], [GQP]
+        else:
+            b_q16 = b_q.to(tl.float16)  # exact: q is fp16
+
+    p_kc = p_kc + i_b * stride_kcb + i_h * stride_kch
+    p_ks = p_ks + i_b * stride_ksb + i_h * stride_ksh
+    p_kz = p_kz + i_b * stride_kzb + i_h * stride_kzh
+    p_vc = p_vc + i_b * stride_vcb + i_h * stride_vch
+    p_vs = p_vs + i_b * stride_vsb + i_h * stride_vsh
+    p_vz = p_vz + i_b * stride_vzb + i_h * stride_vzh
+
+    # this program's share of the row's tiles: tiles are aligned to multiples of BT, each holds >= 1 valid token
+    st = tl.maximum(tl.load(p_start + i_b).to(tl.int32), 0)
+    t_lo = st // BT
+    t_hi = tl.cdiv(end, BT)
+    n_tiles = tl.where(st < end, t_hi - t_lo, 0)
+    per = tl.cdiv(n_tiles, num_splits)
+    i_lo = t_lo + i_s * per
+    i_hi = tl.minimum(i_lo + per, t_hi)
+
+    b_m = tl.full([GQP], float("-inf"), dtype=tl.float32)  # running max (base 2)
+    b_l = tl.zeros([GQP], dtype=tl.float32)  # running sum
+    b_acc = tl.zeros([GQP, D], dtype=tl.float32)
+    for i_t in range(i_lo, i_hi):
+        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # [BT]
+        m_t = (o_t >= st) & (o_t < end)
+
+        # ---- scores [GQP, BT]
+        b_k = load_codes(p_kc, o_t, m_t, stride_kct, stride_kcw, BT, D, K_BITS, K_FP8)  # [BT, D]
+        if K_MODE == 0:
+            b_kt = tl.trans(b_k).to(tl.float16)  # [D, BT], exact
+            if Q_SPLIT:
+                b_s = tl.dot(b_qhi, b_kt)
+                b_s = tl.dot(b_qlo, b_kt, b_s) * b_qp2[:, None]
+            else:
+                b_s = tl.dot(b_q16, b_kt)
+            if K_SCALE:
+                b_ks = tl.load(p_ks + o_t * stride_ksr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_s = b_s * b_ks[None, :]
+            if K_ZERO:
+                b_kz = tl.load(p_kz + o_t * stride_kzr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_s += b_qsum[:, None] * b_kz[None, :]
+        elif K_MODE == 1:  # the tile lies in one token block: its per-channel scales fold into q
+            r = (i_t * BT) // K_G
+            b_ks = tl.load(p_ks + r * stride_ksr + o_d * stride_ksg).to(tl.float32)  # [D]
+            b_s = dot_split(b_q * b_ks[None, :], tl.trans(b_k).to(tl.float16))
+            if K_ZERO:
+                b_kz = tl.load(p_kz + r * stride_kzr + o_d * stride_kzg).to(tl.float32)  # [D]
+                b_s += tl.sum(b_q * b_kz[None, :], axis=1)[:, None]
+        else:  # dequantize the tile
+            if K_SCALE:
+                if K_CHANNEL:
+                    o_r = (o_t // K_G)[:, None] * stride_ksr + o_d[None, :] * stride_ksg
+                    o_rz = (o_t // K_G)[:, None] * stride_kzr + o_d[None, :] * stride_kzg
+                else:
+                    o_r = o_t[:, None] * stride_ksr + (o_d // K_G)[None, :] * stride_ksg
+                    o_rz = o_t[:, None] * stride_kzr + (o_d // K_G)[None, :] * stride_kzg
+                b_k = b_k * tl.load(p_ks + o_r, mask=m_t[:, None], other=0.0).to(tl.float32)
+                if K_ZERO:
+                    b_k += tl.load(p_kz + o_rz, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=F32_DOT)
+        b_s = b_s * scaling
+        if SOFTCAP:
+            b_s = softcap * tanh(b_s / softcap)
+        b_s = tl.where(m_t[None, :], b_s * 1.4426950408889634, float("-inf"))  # base 2
+
+        # ---- online softmax
+        b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))  # [GQP], finite: the tile has a valid token
+        b_alpha = tl.exp2(b_m - b_mn)
+        b_p = tl.exp2(b_s - b_mn[:, None])  # [GQP, BT]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_m = b_mn
+
+        # ---- P @ V [GQP, D]
+        b_v = load_codes(p_vc, o_t, m_t, stride_vct, stride_vcw, BT, D, V_BITS, V_FP8)  # [BT, D]
+        if V_MODE == 0:
+            b_pv = b_p
+            if V_SCALE:
+                b_vs = tl.load(p_vs + o_t * stride_vsr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_pv = b_p * b_vs[None, :]
+            b_o = dot_split(b_pv, b_v.to(tl.float16))
+            if V_ZERO:
+                b_vz = tl.load(p_vz + o_t * stride_vzr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_o += tl.sum(b_p * b_vz[None, :], axis=1)[:, None]
+        else:
+            if V_SCALE:
+                o_r = o_t[:, None] * stride_vsr + (o_d // V_G)[None, :] * stride_vsg
+                b_v = b_v * tl.load(p_vs + o_r, mask=m_t[:, None], other=0.0).to(tl.float32)
+                if V_ZERO:
+                    o_rz = o_t[:, None] * stride_vzr + (o_d // V_G)[None, :] * stride_vzg
+                    b_v += tl.load(p_vz + o_rz, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_o = tl.dot(b_p, b_v, input_precision=F32_DOT)
+        b_acc = b_acc * b_alpha[:, None] + b_o
+
+    m_ok = b_l > 0
+    b_lsafe = tl.where(m_ok, b_l, 1.0)
+    b_out = tl.where(m_ok[:, None], b_acc / b_lsafe[:, None], 0.0)  # [GQP, D]
+    b_lse = tl.where(m_ok, (b_m + tl.log2(b_lsafe)) * 0.6931471805599453, float("-inf"))  # natural log
+    o_h = i_h * GQ + o_g
+    p_o = p_o + i_b * stride_ob + o_h[:, None] * stride_oh + i_s * stride_os + o_d[None, :] * stride_od
+    tl.store(p_o, b_out.to(p_o.dtype.element_ty), mask=m_g[:, None])
+    tl.store(p_lse + i_b * stride_lb + o_h * stride_lh + i_s * stride_ls, b_lse, mask=m_g)
+
+
+@triton.jit
+def merge_splits_kernel(
+    p_op,
+    p_lp,
+    p_o,
+    p_lse,
+    num_splits,
+    Hq,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+):
+    i_bh = tl.program_id(0)
+    i_b, i_h = (i_bh // Hq).to(tl.int64), (i_bh % Hq).to(tl.int64)
+    o_s = tl.arange(0, BS)
+    m_s = o_s < num_splits
+    o_d = tl.arange(0, D)
+    b_lp = tl.load(
+        p_lp + i_b * stride_qb + i_h * stride_qh + o_s * stride_qs, mask=m_s, other=float("-inf")
+    )  # [BS]
+    b_m = tl.max(b_lp, axis=0)
+    b_m = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_w = tl.exp(b_lp - b_m)  # [BS]; empty splits weigh 0
+    b_l = tl.sum(b_w, axis=0)
+    p_op = p_op + i_b * stride_pb + i_h * stride_ph + o_s[:, None] * stride_ps + o_d[None, :] * stride_pd
+    b_op = tl.load(p_op, mask=m_s[:, None], other=0.0)  # [BS, D]
+    b_lsafe = tl.where(b_l > 0, b_l, 1.0)
+    b_o = tl.sum(b_w[:, None] * b_op, axis=0) / b_lsafe  # [D]
+    b_lse = tl.where(b_l > 0, b_m + tl.log(b_lsafe), float("-inf"))
+    tl.store(p_o + i_b * stride_ob + i_h * stride_oh + o_d * stride_od, b_o.to(p_o.dtype.element_ty))
+    tl.store(p_lse + i_b * stride_lb + i_h * stride_lh, b_lse)
