@@ -42,10 +42,10 @@ def config_fields(config: Any) -> list[tuple[str, dataclasses.Field, Any, Any]]:
     return out
 
 
-def _flag_type(t: Any):
+def flag_type(t: Any):
     """argparse ``type`` for a field of type ``t``: lists are comma-separated, ints and floats parsed."""
     if typing.get_origin(t) is list:
-        item = _flag_type(typing.get_args(t)[0])
+        item = flag_type(typing.get_args(t)[0])
 
         def parse(text: str) -> list:
             try:
@@ -99,7 +99,7 @@ def add_config_flags(
         if t is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw.update(type=_flag_type(t), metavar=leaf.upper() + (",..." if is_list else ""))
+            kw.update(type=flag_type(t), metavar=leaf.upper() + (",..." if is_list else ""))
             kw.update({"action": "extend"} if is_list else {})
             kw.update({"choices": f.metadata["choices"]} if f.metadata.get("choices") else {})
         if section not in groups:

@@ -12,6 +12,8 @@ Subcommands are added with one ``_add_<name>`` function each, registered in :fun
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -31,152 +33,118 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
-# ------------------------------------------------------------------------------------------ eval
+# ------------------------------------------------------------------------------------------ eval, sweep
+# Their flags are derived from the config dataclasses (kvquant.eval.flags): a new field is a new flag.
 
 
-def _csv(kind: str):
-    """argparse type: "a,b,c" -> list (ints; "max" too for retrieval lengths)."""
-
-    def parse(text: str) -> list:
-        out = []
-        for item in text.split(","):
-            item = item.strip()
-            if kind == "lengths" and item == "max":
-                out.append(item)
-                continue
-            try:
-                out.append(int(item))
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        return out
-
-    return parse
-
-
-# flag dest -> dotted config key (flags left at None do not override the YAML / defaults)
-_EVAL_FLAGS = {
-    "model": "model.name",
-    "dtype": "model.dtype",
-    "device": "model.device",
-    "device_map": "model.device_map",
-    "attn": "model.attn_implementation",
-    "corpus": "corpus.name",
-    "text_field": "corpus.text_field",
-    "mode": "quality.mode",
-    "prefix_len": "quality.prefix_len",
-    "score_len": "quality.score_len",
-    "windows": "quality.windows",
-    "retrieval_lengths": "retrieval.lengths",
-    "retrieval_trials": "retrieval.trials",
-    "speed_contexts": "speed.context_lengths",
-    "speed_batches": "speed.batch_sizes",
-    "decode_tokens": "speed.decode_tokens",
-    "warmup": "speed.warmup",
-    "repeats": "speed.repeats",
-    "output_dir": "output.dir",
-    "run_name": "output.name",
-    "seed": "seed",
-}
-
-
-def _eval_overrides(args: argparse.Namespace) -> dict:
-    from kvquant.eval.config import TASKS, parse_set
+def _overrides(args: argparse.Namespace, cls: type) -> dict:
+    """``--set``, then ``--tasks``, then the flags derived from ``cls``: later wins. A quality-budget
+    flag replaces the YAML's whole budget (``--budget-dppl 1`` drops its ``max_kl``)."""
+    from kvquant.eval.config import parse_set
+    from kvquant.eval.flags import config_overrides, tasks_overrides
 
     overrides = parse_set(args.set or [])
-    for dest, key in _EVAL_FLAGS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            overrides[key] = value
-    if args.cache:
-        overrides["caches"] = [c.strip() for item in args.cache for c in item.split(",") if c.strip()]
-    if args.tasks is not None:
-        chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        from kvquant.eval.config import EvalError
+    if getattr(args, "tasks", None) is not None:
+        overrides |= tasks_overrides(args.tasks)
+    flags = config_overrides(args, cls)
+    if any(key.startswith("recommend.") for key in flags):
+        overrides |= {"recommend.max_kl": None, "recommend.max_dppl_pct": None}
+    return overrides | flags
 
-        unknown = [t for t in chosen if t not in TASKS]
-        if unknown:
-            raise EvalError(f"--tasks: unknown task {unknown[0]!r}; allowed: {', '.join(TASKS)}")
-        for t in TASKS:
-            overrides[f"{t}.enabled"] = t in chosen
-    if args.no_progress:
-        overrides["progress"] = False
-    return overrides
+
+@contextlib.contextmanager
+def _messages(command: str, level: int):
+    """The harness's log messages on stderr, as ``kvquant <command>: ...``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"kvquant {command}: %(message)s"))
+    log = logging.getLogger("kvquant.eval")
+    log.addHandler(handler)
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+
+
+def _error(command: str, exc: Exception) -> int:
+    """Bad input: one line on stderr, exit status 2."""
+    print(f"kvquant {command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return 2
+
+
+def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override any key, e.g. {example}")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    import logging
+    from kvquant.eval import EvalConfig, EvalError, load_config, run_eval
 
-    from kvquant.eval import EvalError, load_config, run_eval
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("kvquant eval: %(message)s"))
-    log = logging.getLogger("kvquant.eval")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
     try:
-        config = load_config(args.config, _eval_overrides(args))
-        result = run_eval(config)
+        with _messages("eval", logging.INFO):
+            result = run_eval(load_config(args.config, _overrides(args, EvalConfig)))
     except EvalError as exc:
-        print(f"kvquant eval: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    finally:
-        log.removeHandler(handler)
+        return _error("eval", exc)
     print(result.table)
     print(f"\nresults: {result.run_dir}")
     return 0
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
+    from kvquant.eval.config import TASKS, EvalConfig
+    from kvquant.eval.flags import add_config_flags
+
     p = sub.add_parser(
         "eval",
         help="quality, retrieval, memory and speed of cache configs against DynamicCache",
-        description="Settings: dataclass defaults -> --config YAML -> --set KEY=VALUE -> the flags below. "
-        "See eval/README.md.",
+        description="Settings: dataclass defaults -> --config YAML -> --set KEY=VALUE -> --tasks -> "
+        "the flags below. See eval/README.md.",
     )
     p.add_argument(
         "--config", default=None, help="YAML file, or a name shipped in configs/eval/ (e.g. default)"
     )
-    p.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="override any key, e.g. speed.repeats=5"
-    )
-    g = p.add_argument_group("model")
-    g.add_argument("--model", help="'smollm2' (embedded, default), a HF id or a local folder")
-    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
-    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
-    g.add_argument("--device-map", help="passed to from_pretrained, e.g. auto")
-    g.add_argument(
-        "--attn",
-        help="attention implementation: sdpa (default), eager, or kvquant (fused decode over the store)",
-    )
-    g = p.add_argument_group("corpus and caches")
-    g.add_argument("--corpus", help="embedded (default), wikitext2, or a .txt / .jsonl / .json file")
-    g.add_argument("--text-field", help="column of a .jsonl / .json corpus (default: text)")
-    g.add_argument(
-        "--cache",
-        action="append",
-        help="cache spec(s), repeatable or comma-separated: dynamic, a kvquant preset or YAML, hf-quanto-int4, "
-        "hf-quanto-int2, hf-hqq-int4, hf-fp8, or the groups presets / peers / all",
-    )
-    g.add_argument("--tasks", help="comma-separated subset of quality,memory,speed,retrieval (default: all)")
-    g = p.add_argument_group("quality")
-    g.add_argument("--mode", choices=("decode", "simulated"))
-    g.add_argument("--prefix-len", type=int, help="P: tokens prefilled per window")
-    g.add_argument("--score-len", type=int, help="D: tokens scored per window")
-    g.add_argument("--windows", type=int, help="number of non-overlapping windows")
-    g = p.add_argument_group("retrieval / speed")
-    g.add_argument("--retrieval-lengths", type=_csv("lengths"), help="e.g. 1024,4096,max")
-    g.add_argument("--retrieval-trials", type=int)
-    g.add_argument("--speed-contexts", type=_csv("ints"), help="e.g. 256,1024")
-    g.add_argument("--speed-batches", type=_csv("ints"), help="e.g. 1,8 (GPU)")
-    g.add_argument("--decode-tokens", type=int)
-    g.add_argument("--warmup", type=int)
-    g.add_argument("--repeats", type=int)
-    g = p.add_argument_group("output")
-    g.add_argument("--output-dir", help="parent of the run folder (default: runs)")
-    g.add_argument("--run-name", help="run folder name (default: <model>-<corpus>-<mode>-<hash>)")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _set_flag(p, "speed.repeats=5")
+    p.add_argument("--tasks", help=f"comma-separated subset of {','.join(TASKS)} (default: all)")
+    add_config_flags(p, EvalConfig)
     p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from kvquant.eval.config import EvalError
+    from kvquant.eval.sweep import run_sweep
+    from kvquant.eval.sweep_config import SweepConfig
+
+    try:
+        overrides = _overrides(args, SweepConfig)
+        with _messages("sweep", logging.INFO if overrides.get("progress", True) else logging.WARNING):
+            result = run_sweep(args.config, overrides=overrides)
+    except EvalError as exc:
+        return _error("sweep", exc)
+    print(result.table)
+    print()
+    for rec in result.recommendations:
+        print(("" if len(result.recommendations) == 1 else f"{rec['model']}: ") + rec["text"])
+    print(f"\nresults: {result.out_dir} (results.md, results.csv, results.jsonl, plots/)")
+    return 0
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    from kvquant.eval.flags import add_config_flags
+    from kvquant.eval.sweep_config import SweepConfig
+
+    p = sub.add_parser(
+        "sweep",
+        help="cache configs x context lengths x batch sizes: table, plots and a recommendation",
+        description="Settings: dataclass defaults (shown below) -> the sweep YAML -> --set KEY=VALUE -> "
+        "the flags below; a --budget-* flag replaces the YAML's whole budget. "
+        "See configs/sweep_default.yaml (every key, commented) and README.md.",
+    )
+    p.add_argument("config", help="sweep YAML, or a shipped name (default = configs/sweep_default.yaml)")
+    _set_flag(p, "grid.contexts=[256]")
+    add_config_flags(p, SweepConfig)
+    p.set_defaults(func=_cmd_sweep)
+
+
+# ------------------------------------------------------------------------------------------ bench, calibrate
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -193,13 +161,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from kvquant.eval.flags import flag_type
+
     p = sub.add_parser("bench", help="decode speed: 'cpu' (model tokens/s) or 'kernels' (GPU kernels)")
     p.add_argument("target", choices=["cpu", "kernels"])
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
-    p.add_argument("--contexts", type=_csv("ints"), default=[2048, 4096])
-    p.add_argument(
-        "--presets", type=lambda t: [x.strip() for x in t.split(",") if x.strip()], default=["int4"]
-    )
+    p.add_argument("--contexts", type=flag_type(list[int]), default=[2048, 4096])
+    p.add_argument("--presets", type=flag_type(list[str]), default=["int4"])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="folder for JSON + markdown results")
@@ -294,61 +262,6 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--presets", default=None, help="comma-separated presets (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     p.set_defaults(func=_cmd_plan)
-
-
-# ------------------------------------------------------------------------------------------ sweep
-
-
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    import logging
-
-    from kvquant.eval.config import EvalError, parse_set
-    from kvquant.eval.sweep import run_sweep
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("kvquant sweep: %(message)s"))
-    log = logging.getLogger("kvquant.eval")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if not args.no_progress else logging.WARNING)
-    try:
-        overrides = parse_set(args.set or [])
-        if args.out is not None:
-            overrides["out"] = args.out
-        if args.no_progress:
-            overrides["progress"] = False
-        if args.budget_kl is not None or args.budget_dppl is not None:  # the flags replace the YAML's budget
-            overrides["recommend.max_kl"] = args.budget_kl
-            overrides["recommend.max_dppl_pct"] = args.budget_dppl
-        result = run_sweep(args.config, overrides=overrides)
-    except EvalError as exc:
-        print(f"kvquant sweep: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    finally:
-        log.removeHandler(handler)
-    print(result.table)
-    print()
-    for rec in result.recommendations:
-        print(("" if len(result.recommendations) == 1 else f"{rec['model']}: ") + rec["text"])
-    print(f"\nresults: {result.out_dir} (results.md, results.csv, results.jsonl, plots/)")
-    return 0
-
-
-def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "sweep",
-        help="cache configs x context lengths x batch sizes: table, plots and a recommendation",
-        description="Settings: the sweep YAML -> --set KEY=VALUE -> the flags below. "
-        "See configs/sweep_default.yaml (every key, commented) and README.md.",
-    )
-    p.add_argument("config", help="sweep YAML, or a shipped name (default = configs/sweep_default.yaml)")
-    p.add_argument("--out", default=None, help="output folder (default: runs/sweep-<name>); reruns resume")
-    p.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="override a key, e.g. grid.contexts=[256]"
-    )
-    p.add_argument("--budget-kl", type=float, default=None, help="quality budget: mean KL vs DynamicCache")
-    p.add_argument("--budget-dppl", type=float, default=None, help="quality budget: Δppl vs DynamicCache, %%")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars or progress messages")
-    p.set_defaults(func=_cmd_sweep)
 
 
 # ------------------------------------------------------------------------------------------ tune
