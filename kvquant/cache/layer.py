@@ -262,16 +262,17 @@ class QuantizedKVLayer(CacheLayerMixin):
                 reads.append(QuantizedRead(*tier.operands(), p0, p1, tier.origin, start))
             lo = max(lo, p1)
         tail_k, tail_v = (t.clone() for t in self.tail.read(begin))
-        dense_k, dense_v, valid = [tail_k], [tail_v], []
+        dense_k, dense_v = [tail_k], [tail_v]
         with_sinks = sinks and begin < store_end
         if with_sinks:
-            sk, sv, sink_valid = self.sinks.dense(begin, store_end, self.pads)
-            dense_k.insert(0, sk)
-            dense_v.insert(0, sv)
-            valid.append(sink_valid)
-        tail_pos = torch.arange(max(begin, store_end), self.seq_len, device=self.device)
-        valid.append(tail_pos[None, :] >= self.pads[:, None])
+            dense_k.insert(0, self.sinks.k.clone())
+            dense_v.insert(0, self.sinks.v.clone())
         all_valid = self.pads_max == 0 and begin == 0 and (not with_sinks or self.sinks.n <= store_end)
+        valid = None
+        if not all_valid:  # [B, n]: padding, and sinks outside the visible history, do not count
+            tail_pos = torch.arange(max(begin, store_end), self.seq_len, device=self.device)
+            parts = [self.sinks.valid(begin, store_end, self.pads)] if with_sinks else []
+            valid = torch.cat(parts + [tail_pos[None, :] >= self.pads[:, None]], 1)
         return KVView(
             new_k=k,
             new_v=v,
@@ -280,7 +281,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             reads=reads,
             dense_k=torch.cat(dense_k, 2) if len(dense_k) > 1 else tail_k,
             dense_v=torch.cat(dense_v, 2) if len(dense_v) > 1 else tail_v,
-            dense_valid=None if all_valid else torch.cat(valid, 1),
+            dense_valid=valid,
             tail_k=tail_k,
             tail_v=tail_v,
             transform=self.transform,

@@ -268,10 +268,10 @@ class SinkSegment:
         x[:, :, :m] = torch.where(is_sink, got, x[:, :, :m])
         return x
 
-    def dense(self, p0: int, p1: int, pads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Copies of the sinks and ``valid [B, S]``: which lie in positions ``[p0, p1)``."""
+    def valid(self, p0: int, p1: int, pads: torch.Tensor) -> torch.Tensor:
+        """``[B, S]``: which sink tokens lie in positions ``[p0, p1)``."""
         pos = pads[:, None] + torch.arange(self.n, device=pads.device)  # [B, S]
-        return self.k.clone(), self.v.clone(), (pos >= p0) & (pos < p1)
+        return (pos >= p0) & (pos < p1)
 
     def drop(self) -> None:
         self.k = self.v = None
