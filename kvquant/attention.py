@@ -9,9 +9,13 @@ instead of dequantized tensors. Per call:
 - decode (one query token): each quantized tier goes through ``kernels.ops.decode_attention``
   (codes and scales read in place; the query folded by the key transform), the full-precision
   tokens (sinks, tail, the new token) ride along in the first call, and the partials are merged by
-  log-sum-exp;
-- prefill of a fresh prompt: SDPA / eager on the prompt's own full-precision K/V;
-- a prefill chunk after cached tokens: the history is dequantized and attended with the mask.
+  log-sum-exp. The fused decode knows only each row's left padding (``KVView.pads``); a mask that
+  asks for anything else (a hole: a 0 after a row's first 1, as assisted decoding or a user-given
+  mask make; a hidden token the cache holds) is detected by :func:`decode_mask_is_fused` and that
+  step goes to the dequantizing path below instead;
+- prefill of a fresh prompt: SDPA / eager on the prompt's own full-precision K/V, with the mask;
+- a prefill chunk after cached tokens (or a decode step whose mask has holes): the history is
+  dequantized and attended with the mask (no mask: lower-right causal).
 
 Given plain tensors (any other cache, or none) it behaves like ``sdpa`` (``eager`` with softcap).
 """
@@ -109,6 +113,58 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
     return t.undo_output(out)[:, None].to(query.dtype)  # [B, 1, Hq, D]
 
 
+# --------------------------------------------------------------------------------------------- masks
+
+
+def decode_mask_is_fused(view: KVView, mask: torch.Tensor | None) -> bool:
+    """Whether a decode step's ``mask`` asks for exactly what the fused decode reads.
+
+    The fused decode reads every position of ``view`` but each row's left padding
+    (:meth:`KVView.attended`). ``mask`` (the 4-D mask handed to the attention: bool, True = attend,
+    or additive float, 0 = attend) must select the same positions for the last query: otherwise (a
+    hole, a hidden token the cache holds, a bias that is neither 0 nor -inf, a shape the view does not
+    have) the step is answered by the dequantizing path, which applies the mask as given.
+
+    Cost: ``None`` (what transformers passes when no row is padded) is free. Otherwise one ``[B, n]``
+    comparison and one host sync, once per forward and mask: the answer is memoised on the mask
+    tensor (keyed on the view's positions), so every layer handed the same mask object reuses it
+    (layers of one forward share the padding they were filled with). Transformers' own mask
+    construction already reads the padding mask on the host once per forward.
+
+    Example:
+        >>> view, _ = layer.update(k, v)  # a layer with return_view set, after its prompt; k [B, H_kv, 1, D]
+        >>> decode_mask_is_fused(view, None)  # no mask: every row reads all but its padding
+        True
+    """
+    if mask is None:
+        return True
+    n = view.shape[2]
+    key = (view.hist_begin, view.seq_before, n)
+    memo = getattr(mask, "_kvquant_fused", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    fused = mask.dim() == 4 and mask.shape[-1] == n and mask.shape[0] in (1, view.new_k.shape[0])
+    if fused:
+        row = mask[:, :, -1]  # [B or 1, H or 1, n]
+        if row.dtype == torch.bool:
+            same = row == view.attended()[:, None]
+        else:  # additive: 0 where attended, -inf (or the dtype's min) elsewhere, nothing in between
+            hidden = row <= torch.finfo(row.dtype).min / 2
+            same = (row == 0) == view.attended()[:, None]
+            same = same & ((row == 0) | hidden)
+        fused = bool(same.all())  # the one host sync
+    try:
+        mask._kvquant_fused = (key, fused)
+    except (AttributeError, RuntimeError):  # a tensor subclass without attributes: decide per call
+        pass
+    return fused
+
+
+def _causal_mask(q_len: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[q, n]`` bool, lower-right aligned: query i sees keys ``[0, n - q + i]``."""
+    return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)
+
+
 # --------------------------------------------------------------------------------------------- entry
 
 
@@ -128,18 +184,19 @@ def kvquant_attention_forward(
     if isinstance(key, KVView):
         view = key
         smoothed_softcap = softcap is not None and view.transform.stats is not None
-        if query.shape[2] == 1 and view.seq_before > 0 and not smoothed_softcap:
+        decode = query.shape[2] == 1 and view.seq_before > 0 and not smoothed_softcap
+        if decode and decode_mask_is_fused(view, attention_mask):
             return _decode(view, query, scaling, softcap), None
         if view.seq_before == 0:  # a fresh prompt: its own full-precision K/V
             key, value = view.new_k, view.new_v
-        else:  # a chunk after cached tokens (or a smoothed store under softcap): dequantize
-            key, value = view.dequantized()
-    if softcap is None and dropout == 0.0:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    mask = attention_mask
-    if mask is None and query.shape[2] > 1:
-        q_len, n = query.shape[2], key.shape[2]
-        mask = torch.ones(q_len, n, dtype=torch.bool, device=query.device).tril(n - q_len)
+        else:  # a chunk after cached tokens, a decode step whose mask has holes, a smoothed store
+            key, value = view.dequantized()  # under softcap: dequantize, then the mask as given
+    mask, q_len, n = attention_mask, query.shape[2], key.shape[2]
+    dense = softcap is not None or dropout != 0.0
+    if mask is None and q_len > 1 and (dense or q_len < n) and getattr(module, "is_causal", True):
+        mask = _causal_mask(q_len, n, query.device)  # sdpa's is_causal would align upper-left
+    if not dense:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
     out, _ = dense_attention(query, key, value, mask, scaling, softcap)
     return out.transpose(1, 2).to(query.dtype), None
 

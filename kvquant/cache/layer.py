@@ -282,6 +282,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             dense_k=torch.cat(dense_k, 2) if len(dense_k) > 1 else tail_k,
             dense_v=torch.cat(dense_v, 2) if len(dense_v) > 1 else tail_v,
             dense_valid=valid,
+            pads=self.pads,
             tail_k=tail_k,
             tail_v=tail_v,
             transform=self.transform,

@@ -62,6 +62,7 @@ class KVView:
     dense_k: torch.Tensor
     dense_v: torch.Tensor
     dense_valid: torch.Tensor | None
+    pads: torch.Tensor  # [B] int64
     tail_k: torch.Tensor  # [B, H, t, D]: the tail part of dense_k (for the dequantized history)
     tail_v: torch.Tensor
     transform: KeyTransform
@@ -79,6 +80,12 @@ class KVView:
     @property
     def device(self) -> torch.device:
         return self.new_k.device
+
+    def attended(self) -> torch.Tensor:
+        """``[B, n]`` bool over positions ``[hist_begin, seq_before + q)``: what the fused decode reads for
+        the last query (every position but the row's left padding), to compare with a mask."""
+        pos = torch.arange(self.hist_begin, self.seq_before + self.new_k.shape[2], device=self.pads.device)
+        return pos[None, :] >= self.pads[:, None]
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The history (dequantized where stored) followed by the call's tokens: ``[B, H, n, D]``."""
