@@ -145,14 +145,15 @@ def decode_mask_is_fused(view: KVView, mask: torch.Tensor | None) -> bool:
         return memo[1]
     fused = mask.dim() == 4 and mask.shape[-1] == n and mask.shape[0] in (1, view.new_k.shape[0])
     if fused:
-        row = mask[:, :, -1]  # [B or 1, H or 1, n]
-        if row.dtype == torch.bool:
-            same = row == view.attended()[:, None]
+        row, want = mask[:, :, -1], view.attended()[:, None]  # [B or 1, H or 1, n], [B, 1, n]
+        if row.dtype == torch.bool and row.shape == want.shape:  # what transformers hands over
+            fused = torch.equal(row, want)  # the one host sync
         else:  # additive: 0 where attended, -inf (or the dtype's min) elsewhere, nothing in between
-            hidden = row <= torch.finfo(row.dtype).min / 2
-            same = (row == 0) == view.attended()[:, None]
-            same = same & ((row == 0) | hidden)
-        fused = bool(same.all())  # the one host sync
+            attend = row if row.dtype == torch.bool else row == 0
+            same = attend == want
+            if row.dtype != torch.bool:
+                same = same & (attend | (row <= torch.finfo(row.dtype).min / 2))
+            fused = bool(same.all())  # the one host sync
     try:
         mask._kvquant_fused = (key, fused)
     except (AttributeError, RuntimeError):  # a tensor subclass without attributes: decide per call
