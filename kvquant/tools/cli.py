@@ -152,6 +152,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvquant.tools.bench_kernels import main as kernels_main
 
         return kernels_main(["--out", args.out or "runs/bench-kernels"])
+    if args.target == "gpu-check":
+        from kvquant.tools.gpu_check import main as gpu_check_main
+
+        argv = ["--out", args.out or "runs/gpu-check", "--device", args.device]
+        return gpu_check_main(argv + (["--tiny"] if args.tiny else []))
     from kvquant.tools.bench import bench_cpu, check_settings, resolve_presets
 
     try:  # bad flags: one line, exit 2, before the model loads
@@ -178,11 +183,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="speed: 'cpu' (every preset vs DynamicCache) or 'kernels' (GPU kernels)",
-        description="cpu: decode tok/s and prefill time of every preset against DynamicCache (kvquant.tools.bench). "
-        "kernels: the GPU kernel benchmark.",
+        help="speed: 'cpu' (every preset vs DynamicCache), 'kernels' (GPU kernels), 'gpu-check' (GPU)",
+        description="cpu: decode tok/s and prefill time of every preset against DynamicCache "
+        "(kvquant.tools.bench). kernels: the GPU kernel benchmark. gpu-check: GPU test grid + short kernel "
+        "benchmark + long-context generate, JSON + markdown in --out (kvquant.tools.gpu_check).",
     )
-    p.add_argument("target", choices=["cpu", "kernels"])
+    p.add_argument("target", choices=["cpu", "kernels", "gpu-check"])
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument("--contexts", type=flag_type(list[int]), default=[2048, 4096])
     p.add_argument(
@@ -198,6 +204,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--no-dequant", action="store_true", help="leave out the dequantizing contenders (half the time)"
     )
     p.add_argument("--out", default=None, help="folder for JSON + markdown results")
+    p.add_argument("--device", default="cuda", help="gpu-check: cuda, or cpu with --tiny (plumbing test)")
+    p.add_argument("--tiny", action="store_true", help="gpu-check: tiny shapes (plumbing test)")
     p.set_defaults(func=_cmd_bench)
 
 
