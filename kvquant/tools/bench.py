@@ -21,7 +21,8 @@ Each preset's row names the backend of :mod:`kvquant.kernels.ops` its decode and
 on the model's device (``ops.backend_for``, per segment: main store, then the recent window), e.g.
 ``cpu`` (the C kernels) or ``chunked`` (torch); the JSON's meta holds them per segment.
 
-``kvquant bench kernels`` (:mod:`kvquant.tools.bench_kernels`) is the GPU kernel benchmark.
+``kvquant bench kernels`` (:mod:`kvquant.tools.bench_kernels`) and ``kvquant bench gpu-check``
+(:mod:`kvquant.tools.gpu_check`) are the GPU benchmarks.
 
 Example::
 
@@ -57,9 +58,8 @@ def resolve_presets(presets: tuple[str, ...] | list[str] | None) -> list[str]:
         try:
             KVQuantConfig.resolve(name)
         except ValueError:
-            raise ValueError(
-                f"--presets: unknown preset {name!r}; allowed: all, {', '.join(preset_names())}, or a YAML path"
-            ) from None
+            allowed = f"all, {', '.join(preset_names())}, or a YAML path"
+            raise ValueError(f"--presets: unknown preset {name!r}; allowed: {allowed}") from None
     return list(dict.fromkeys(names))
 
 
