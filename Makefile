@@ -47,13 +47,14 @@ demo: $(STAMP)
 
 # No set-up step: a GPU machine brings its own CUDA torch (the .venv's is the CPU wheel). GPU_PY is the
 # .venv's python when there is one, else $(PYTHON); kvquant goes into it without dependencies when
-# missing (transformers 5.24 and the rest must be there). Results: $(GPU_CHECK_OUT) (JSON + markdown).
+# missing (transformers 5.24 and the rest must be there). Results: $(GPU_CHECK_OUT) (JSON + markdown);
+# GPU_CHECK_ARGS e.g. "--prompt 16384 --budget-s 400".
 GPU_CHECK_OUT ?= runs/gpu-check
 GPU_PY ?= $(if $(wildcard $(BIN)/python),$(abspath $(BIN)/python),$(shell command -v $(PYTHON)))
 gpu-check:
 	(cd / && $(GPU_PY) -c "import kvquant.kernels" 2>/dev/null) || \
 		$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
-	HF_HUB_OFFLINE=1 $(GPU_PY) -P -m kvquant.tools.gpu_check --out $(GPU_CHECK_OUT)
+	HF_HUB_OFFLINE=1 $(GPU_PY) -P -m kvquant.tools.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache .hypothesis

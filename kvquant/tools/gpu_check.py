@@ -14,7 +14,8 @@ not the run; what it wrote stays and the next part runs):
    Each contender first runs a short untimed generate (kernel compiles stay out of the numbers).
 
 Budget (``--budget-s``, default 450 s, so the whole run stays under 8 minutes on one H200): compile
-test 50 s, test grid 150 s, kernels 120 s, generate 130 s, each cut to what is left. Over its
+test 60 s, test grid 150 s (4 pytest-xdist workers when xdist is installed: the grid's cost is
+mostly Triton compiling on the CPU), kernels 110 s, generate 130 s, each cut to what is left. Over its
 limit a part is killed and reported ``timed out`` with whatever it had written (the kernel
 benchmark and the generate part write after every shape / contender; generate also skips the
 contenders it has no time left for, and says so).
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 BUDGET_S = 450
-LIMITS = {"compile": 50, "grid": 150, "kernels": 120, "generate": 130}  # seconds per part
+LIMITS = {"compile": 60, "grid": 150, "kernels": 110, "generate": 130}  # seconds per part
 PRESETS = ["int4", "nuq4", "fp8", "tcq2-recent"]
 LLAMA = dict(  # Llama-3-8B-shaped layers, fewer of them; transformers' default init (std 0.02)
     num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -98,16 +99,23 @@ def _tail(log: Path, n: int = 15) -> str:
 
 
 def pytest_counts(log: Path) -> dict[str, Any]:
-    """Outcome counts and failed test ids from a ``pytest -v`` log (complete even when killed)."""
+    """Outcome counts and failed test ids from a ``pytest -v`` log (complete even when killed): lines
+    ``<id> PASSED [ 1%]``, or ``[gw0] [ 1%] PASSED <id>`` under xdist; the closing summary's
+    ``FAILED <id> - ...`` lines match neither."""
     counts: dict[str, Any] = {}
     failed = []
-    pattern = re.compile(r"^(\S+::\S+).*? (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+    outcome = "(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+    plain = re.compile(rf"^(\S+::\S+).*? {outcome}\b")
+    xdist = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] {outcome} (\S+::\S+)")
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
-        m = pattern.match(line)
-        if m:
-            counts[m.group(2).lower()] = counts.get(m.group(2).lower(), 0) + 1
-            if m.group(2) in ("FAILED", "ERROR"):
-                failed.append(m.group(1))
+        m = plain.match(line)
+        found = (m.group(2), m.group(1)) if m else None
+        if found is None and (m := xdist.match(line)):
+            found = (m.group(1), m.group(2))
+        if found:
+            counts[found[0].lower()] = counts.get(found[0].lower(), 0) + 1
+            if found[0] in ("FAILED", "ERROR"):
+                failed.append(found[1])
     return {**counts, "failed_ids": failed[:30]}
 
 
@@ -137,9 +145,12 @@ def part_tests(out: Path, left) -> dict[str, Any]:
         }
     base = pytest_command()
     (out / "pytest").mkdir(exist_ok=True)
+    import importlib.util
+
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
     runs = {
         "compile": ["tests/kernels/test_gpu_compile.py"],
-        "grid": ["tests", "-m", "gpu"],
+        "grid": ["tests", "-m", "gpu", *workers],
     }
     result: dict[str, Any] = {}
     for name, args in runs.items():
@@ -230,7 +241,14 @@ def _one_generate(
     return clock, out
 
 
-def run_generate(out: Path, device: str, tiny: bool, budget: float, presets: list[str] | None = None) -> int:
+def run_generate(
+    out: Path,
+    device: str,
+    tiny: bool,
+    budget: float,
+    prompt: int | None = None,
+    new_tokens: int | None = None,
+) -> int:
     """Part 3 (its own process): writes ``generate.json`` after every contender."""
     from transformers import DynamicCache
 
@@ -239,7 +257,8 @@ def run_generate(out: Path, device: str, tiny: bool, budget: float, presets: lis
 
     t0 = time.perf_counter()
     dev = torch.device(device)
-    shape = TINY if tiny else FULL
+    shape = dict(TINY if tiny else FULL)
+    shape.update({k: v for k, v in (("prompt", prompt), ("new_tokens", new_tokens)) if v})
     model = _model(tiny, dev, getattr(torch, shape["dtype"]))
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -248,7 +267,7 @@ def run_generate(out: Path, device: str, tiny: bool, budget: float, presets: lis
     model_meta = {k: getattr(model.config, k, None) for k in keys}
     meta = {"device": str(dev), "model": model_meta, **shape, "tiny": tiny}
     contenders = {"DynamicCache": lambda: DynamicCache(config=model.config)}
-    contenders |= {p: (lambda p=p: KVQuantCache(model.config, p)) for p in presets or PRESETS}
+    contenders |= {p: (lambda p=p: KVQuantCache(model.config, p)) for p in PRESETS}
     rows: list[dict] = []
     last = 0.0
     for name, build in contenders.items():
@@ -362,8 +381,9 @@ def _git_commit() -> str | None:
         return None
 
 
-def check(out: Path, device: str = "cuda", tiny: bool = False, budget: float = BUDGET_S) -> dict:
+def check(out: Path, device: str = "cuda", tiny: bool = False, budget: float = BUDGET_S, gen_args=()) -> dict:
     """Run the parts (see the module docstring); write and return the report."""
+    out = out.resolve()  # the parts run in other working directories
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("generate.json", "kernel_bench/bench.json", "kernel_bench/bench.md", "gpu_check.json"):
         (out / stale).unlink(missing_ok=True)  # an earlier run's results must not pass for this one's
@@ -386,7 +406,7 @@ def check(out: Path, device: str = "cuda", tiny: bool = False, budget: float = B
         parts["kernels"] = {"status": "skipped: needs CUDA"}
     cmd = _python_m("kvquant.tools.gpu_check") + ["--part", "generate", "--out", str(out), "--device", device]
     limit = left("generate")
-    cmd += ["--budget-s", str(max(limit - 15, 1))] + (["--tiny"] if tiny else [])
+    cmd += ["--budget-s", str(max(limit - 15, 1)), *gen_args] + (["--tiny"] if tiny else [])
     g = run_part(cmd, limit, out / "generate.log", cwd=out)
     g["status"] = "timed out" if g["timed_out"] else ("done" if g["rc"] == 0 else f"failed (rc {g['rc']})")
     if g["rc"] not in (0, None) and not g["timed_out"]:
@@ -407,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny model and prompt (with --device cpu: tests)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all parts together")
+    ap.add_argument("--prompt", type=int, default=None, help=f"generate: prompt tokens ({FULL['prompt']})")
+    ap.add_argument(
+        "--new-tokens", type=int, default=None, help=f"generate: new tokens ({FULL['new_tokens']})"
+    )
     ap.add_argument("--part", choices=["generate"], help=argparse.SUPPRESS)  # the subprocess of part 3
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -417,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if args.part == "generate":
-        return run_generate(args.out, args.device, args.tiny, args.budget_s)
-    report = check(args.out, args.device, args.tiny, args.budget_s)
+        return run_generate(args.out, args.device, args.tiny, args.budget_s, args.prompt, args.new_tokens)
+    gen_args = ["--prompt", str(args.prompt)] if args.prompt else []
+    gen_args += ["--new-tokens", str(args.new_tokens)] if args.new_tokens else []
+    report = check(args.out, args.device, args.tiny, args.budget_s, gen_args)
     print((args.out / "gpu_check.md").read_text())
     print(f"results: {args.out} (gpu_check.json, gpu_check.md)")
     return 0 if passed(report) else 1

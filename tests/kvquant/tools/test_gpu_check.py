@@ -25,9 +25,10 @@ def test_without_cuda_it_refuses_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
-def test_cpu_tiny_runs_the_generate_part_and_reports_it(tmp_path, capsys):
+def test_cpu_tiny_runs_the_generate_part_and_reports_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path.parent)  # a relative --out: the parts run in other working directories
     (tmp_path / "generate.json").write_text('{"rows": [{"cache": "stale"}]}')  # an earlier run's
-    assert cli_main(["bench", "gpu-check", "--out", str(tmp_path), "--device", "cpu", "--tiny"]) == 0
+    assert cli_main(["bench", "gpu-check", "--out", tmp_path.name, "--device", "cpu", "--tiny"]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["parts"]["tests"]["status"] == report["parts"]["kernels"]["status"] == "skipped: needs CUDA"
     gen = report["parts"]["generate"]
@@ -63,6 +64,19 @@ def test_pytest_counts_come_from_the_verbose_log(tmp_path):
     counts = gpu_check.pytest_counts(log)
     assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1)
     assert [t.split("::")[-1] for t in counts["failed_ids"]] == ["test_bad"]
+
+
+def test_pytest_counts_read_xdist_lines_and_skip_the_summary(tmp_path):
+    log = tmp_path / "grid.log"
+    log.write_text(
+        "[gw0] [ 33%] PASSED tests/kernels/test_a.py::test_x[64]\n"
+        "[gw1] [ 66%] FAILED tests/kernels/test_a.py::test_y[128-int4]\n"
+        "[gw0] [100%] SKIPPED tests/kernels/test_b.py::test_z\n"
+        "FAILED tests/kernels/test_a.py::test_y[128-int4] - AssertionError\n"
+    )
+    counts = gpu_check.pytest_counts(log)
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1)
+    assert counts["failed_ids"] == ["tests/kernels/test_a.py::test_y[128-int4]"]
 
 
 @no_cuda
