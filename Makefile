@@ -2,6 +2,7 @@
 # make test  - run the test suite (sets up .venv first if needed)
 # make test-fast - the suite without the `slow` tests (the inner loop)
 # make lint  - ruff check + format check + the import contracts (lint-imports, pyproject.toml)
+# make gpu-check - on a CUDA machine: GPU tests + kernel benchmark + long-context generate (< 8 min, H200)
 
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-setup
 LINT_PATHS := kvquant kernels eval tests .ci
 
-.PHONY: setup test test-fast lint format demo clean
+.PHONY: setup test test-fast lint format demo clean gpu-check
 
 setup: $(STAMP)
 
@@ -43,6 +44,17 @@ format: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvquant demo
+
+# No set-up step: a GPU machine brings its own CUDA torch (the .venv's is the CPU wheel). GPU_PY is the
+# .venv's python when there is one, else $(PYTHON); kvquant goes into it without dependencies when
+# missing (transformers 5.24 and the rest must be there). Results: $(GPU_CHECK_OUT) (JSON + markdown);
+# GPU_CHECK_ARGS e.g. "--prompt 16384 --budget-s 400".
+GPU_CHECK_OUT ?= runs/gpu-check
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(abspath $(BIN)/python),$(shell command -v $(PYTHON)))
+gpu-check:
+	(cd / && $(GPU_PY) -c "import kvquant.kernels" 2>/dev/null) || \
+		$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	HF_HUB_OFFLINE=1 $(GPU_PY) -P -m kvquant.tools.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -2,8 +2,9 @@
 
 ``cli`` (the console script), ``demo``, ``plan`` (capacity table; the arithmetic is
 :mod:`kvquant.planning`), ``tune`` (per-layer mixed precision), ``calibrate`` (static scales),
-``bench`` (CPU decode speed) and ``bench_kernels`` (the GPU kernel benchmark). Tools may import the
-library and the harness (:mod:`kvquant.eval`); neither imports tools.
+``bench`` (CPU decode and prefill speed of every preset), ``bench_kernels`` (the GPU kernel benchmark)
+and ``gpu_check`` (``make gpu-check``). Tools may import the library and the harness
+(:mod:`kvquant.eval`); neither imports tools.
 
 Example::
 

@@ -1,34 +1,164 @@
-"""``kvquant bench``: decode speed benchmarks. They report; they never gate on wall time.
+"""``kvquant bench cpu``: decode and prefill speed of every preset against DynamicCache, in one run.
 
-``kvquant bench cpu``: decode tokens/s of a model (default: the embedded SmolLM2) at several
-context lengths, in one run (runs interleaved so machine load hits all alike), for DynamicCache,
-KVQuantCache with the fused ``kvquant`` attention (the native C kernel when it is built, else the
-chunked torch path; the JSON's meta says which),
-KVQuantCache through the dequantizing path (plain sdpa), and transformers' QuantizedCache (quanto)
-when optimum-quanto is installed. Warm-up runs, then the median of repeated timed runs.
+It reports; it never gates on wall time. Contenders (the model runs the ``kvquant`` attention
+throughout; caches that hand it plain tensors get SDPA from it):
 
-``kvquant bench kernels``: the GPU kernel benchmark (``kvquant.tools.bench_kernels``; needs CUDA).
+- ``DynamicCache`` (the baseline every ratio is taken against);
+- per preset (default: every shipped preset, ``none`` included: the pass-through row times the
+  plumbing alone, no quantization) ``kvquant <preset> (fused)``, the cache read in place by
+  ``kernels.ops.decode_attention``, and ``kvquant <preset> (dequant)``, the same cache dequantized
+  for SDPA every step (``no_dequant`` leaves those out: they double the run time);
+- transformers' ``QuantizedCache`` (quanto int4 / int2) when optimum-quanto is installed.
+
+Decode: per context ``L``, a fresh cache, a prefill of ``L`` tokens, then ``steps`` greedy steps;
+tokens/s of the steps. Prefill: the time of one forward over a ``prefill``-token prompt into a fresh
+cache, as a ratio to DynamicCache's time (above 1: slower), from its own pass (prompt, one step that
+is not reported); when ``prefill`` is one of the contexts the decode runs' own prefill is used
+instead, and ``prefill=0`` skips the column. Every pass interleaves the contenders run by run and
+reports medians (:func:`kvquant.eval.speed.measure_speed`), so machine load hits all alike.
+
+Each preset's row names the backend of :mod:`kvquant.kernels.ops` its decode and quantize calls take
+on the model's device (``ops.backend_for``, per segment: main store, then the recent window), e.g.
+``cpu`` (the C kernels) or ``chunked`` (torch); the JSON's meta holds them per segment.
+
+``kvquant bench kernels`` (:mod:`kvquant.tools.bench_kernels`) and ``kvquant bench gpu-check``
+(:mod:`kvquant.tools.gpu_check`) are the GPU benchmarks.
+
+Example::
+
+    kvquant bench cpu --out runs/bench-cpu                      # every preset, 2k and 4k, prefill 1024
+    kvquant bench cpu --presets int4,nuq4 --no-dequant --steps 8
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from kvquant.attention import enable
 from kvquant.cache import KVQuantCache
+from kvquant.config import KVQuantConfig, preset_names
+from kvquant.formats import format_spec
+from kvquant.kernels import ops
 
 
-def _caches(model, presets: list[str]) -> dict:
-    """Contender label -> fresh-cache factory. The model runs the ``kvquant`` attention throughout:
-    caches that hand it plain tensors (DynamicCache, quanto, ``fused=False``) get SDPA from it."""
+def resolve_presets(presets: tuple[str, ...] | list[str] | None) -> list[str]:
+    """Preset names (``all`` or None: every shipped preset) or YAML paths, checked; ``ValueError``
+    naming the flag otherwise."""
+    names: list[str] = []
+    for p in presets or ["all"]:
+        names += preset_names() if p == "all" else [p]
+    if not names:
+        raise ValueError("--presets: empty")
+    for name in names:
+        try:
+            KVQuantConfig.resolve(name)
+        except ValueError:
+            allowed = f"all, {', '.join(preset_names())}, or a YAML path"
+            raise ValueError(f"--presets: unknown preset {name!r}; allowed: {allowed}") from None
+    return list(dict.fromkeys(names))
+
+
+def check_settings(contexts, steps: int, repeats: int, warmup: int, prefill: int) -> None:
+    """``ValueError`` (naming the flag) for settings no benchmark can run with."""
+    if not contexts or any(not isinstance(c, int) or c < 1 for c in contexts):
+        raise ValueError(f"--contexts: positive token counts, got {list(contexts)}")
+    for flag, value, low in (("--steps", steps, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0),
+                             ("--prefill", prefill, 0)):  # fmt: skip
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{flag}: an integer >= {low}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------------ backends
+
+
+def _joined(names) -> str:
+    return "+".join(dict.fromkeys(names))
+
+
+def preset_backends(config: KVQuantConfig, num_layers: int, head_dim: int, device: str = "cpu") -> dict:
+    """Which ``kernels.ops`` backend a cache of ``config`` runs its calls on, per segment.
+
+    Returns ``{"decode": "cpu", "quantize": "cpu+reference", "segments": [{"segment": "main",
+    "decode": ..., "quantize_k": ..., "quantize_v": ...}, ...]}`` (several names joined by ``+`` when
+    layers or segments differ). The main store's read also takes the full-precision tokens.
+
+    Example:
+        >>> preset_backends(KVQuantConfig.resolve("tcq2-recent"), 2, 64)["segments"][1]["segment"]
+        'recent'
+    """
+    segments: dict[tuple, dict] = {}
+    for layer in range(num_layers):
+        cfg = config.for_layer(layer, num_layers)
+        kg, vg = cfg.group_sizes(head_dim)
+        sdt = cfg.torch_scale_dtype
+        static = cfg.static_scales is not None
+        parts = [("main", cfg.key_format, cfg.value_format, cfg.key_axis, True)]
+        if cfg.recent_length:
+            parts.append(("recent", cfg.recent_key_format, cfg.recent_value_format, "token", False))
+        for name, kf, vf, axis, fp in parts:
+            ks = sdt if format_spec(kf).has_scale else None
+            vs = sdt if format_spec(vf).has_scale else None
+            seg = {
+                "segment": name,
+                "decode": ops.backend_for(
+                    "decode_attention",
+                    k_fmt=kf,
+                    v_fmt=vf,
+                    head_dim=head_dim,
+                    device=device,
+                    k_axis=axis,
+                    k_group=kg,
+                    v_group=vg,
+                    k_scale_dtype=ks,
+                    v_scale_dtype=vs,
+                    fp_tokens=fp,
+                ),  # fmt: skip
+                "quantize_k": ops.backend_for(
+                    "quantize_append",
+                    fmt=kf,
+                    head_dim=head_dim,
+                    device=device,
+                    group_size=kg,
+                    axis=axis,
+                    scale_dtype=ks,
+                    static_scale=static and ks is not None,
+                ),  # fmt: skip
+                "quantize_v": ops.backend_for(
+                    "quantize_append",
+                    fmt=vf,
+                    head_dim=head_dim,
+                    device=device,
+                    group_size=vg,
+                    scale_dtype=vs,
+                    static_scale=static and vs is not None,
+                ),  # fmt: skip
+            }
+            segments.setdefault(tuple(seg.values()), seg)
+    segs = list(segments.values())
+    return {
+        "decode": _joined(s["decode"] for s in segs),
+        "quantize": _joined(b for s in segs for b in (s["quantize_k"], s["quantize_v"])),
+        "segments": segs,
+    }
+
+
+# ------------------------------------------------------------------------------------------ contenders
+
+
+def _caches(model, presets: list[str], dequant: bool = True) -> dict:
+    """Contender label -> fresh-cache factory."""
     builds = {"DynamicCache": lambda: DynamicCache(config=model.config)}
     for preset in presets:
         builds[f"kvquant {preset} (fused)"] = lambda p=preset: KVQuantCache(model.config, p, fused=True)
-        builds[f"kvquant {preset} (dequant)"] = lambda p=preset: KVQuantCache(model.config, p, fused=False)
+        if dequant:
+            builds[f"kvquant {preset} (dequant)"] = lambda p=preset: KVQuantCache(
+                model.config, p, fused=False
+            )
     try:
         import optimum.quanto  # noqa: F401
         from transformers import QuantizedCache
@@ -42,53 +172,121 @@ def _caches(model, presets: list[str]) -> dict:
     return builds
 
 
+def _backend_labels(model, presets: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """(contender label -> "decode / quantize" backends, preset -> per-segment detail for the meta)."""
+    from kvquant.eval.caches import kv_geometry
+
+    layers, _, head_dim = kv_geometry(model)
+    device = next(model.parameters()).device.type
+    labels, detail = {}, {}
+    for preset in presets:
+        b = preset_backends(KVQuantConfig.resolve(preset), layers, head_dim, device)
+        detail[preset] = b
+        labels[f"kvquant {preset} (fused)"] = f"{b['decode']} / {b['quantize']}"
+        labels[f"kvquant {preset} (dequant)"] = f"sdpa (dequantized) / {b['quantize']}"
+    return labels, detail
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def to_markdown(rows: list[dict], contexts: list[int], prefill: int) -> str:
+    """One line per contender: decode tok/s and ratios per context, then the prefill time ratio."""
+    head = ["cache", "decode / quantize backend"]
+    for c in contexts:
+        head += [f"tok/s @{c}", f"vs DynamicCache @{c}", f"vs quanto int4 @{c}"]
+    if prefill:
+        head.append(f"prefill {prefill} time vs DynamicCache")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by_label: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by_label.setdefault(r["cache"], {})[r["context"]] = r
+    for label, per in by_label.items():
+        first = next(iter(per.values()))
+        cells = [label, first["backend"] or "-"]
+        for c in contexts:
+            r = per[c]
+            cells += [f"{r['tokens_per_s']:.2f}", _fmt(r["vs_dynamic"], ".2f", "x"),
+                      _fmt(r["vs_quanto_int4"], ".2f", "x")]  # fmt: skip
+        if prefill:
+            cells.append(_fmt(first["prefill_vs_dynamic"], ".2f", "x"))
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [
+        "",
+        "tok/s: decode, batch 1, median of interleaved runs; `vs`: tok/s ratio (above 1: faster). "
+        "Prefill: time ratio (above 1: slower). `none` is the pass-through preset (no quantization).",
+    ]
+    return "\n".join(lines + notes) + "\n"
+
+
 def bench_cpu(
     model_name: str | None = None,
     contexts: tuple[int, ...] = (2048, 4096),
-    presets: tuple[str, ...] = ("int4", "int8"),
+    presets: tuple[str, ...] | None = None,
     steps: int = 16,
     repeats: int = 3,
     warmup: int = 1,
     out_dir: str | None = None,
     model=None,
+    *,
+    prefill: int = 1024,
+    dequant: bool = True,
 ) -> list[dict]:
-    """Run the CPU decode benchmark (runs of all contenders interleaved, medians; see
-    :func:`kvquant.eval.speed.measure_speed`); print a markdown table; optionally write JSON + markdown."""
-    from kvquant.eval.speed import measure_speed
+    """Run the benchmark (see the module docstring); print the markdown table; with ``out_dir`` write
+    ``bench_cpu.json`` (meta + rows) and ``bench_cpu.md``.
+
+    Returns one row per (context, contender), by context: ``context, cache, backend, tokens_per_s,
+    vs_dynamic, vs_quanto_int4, context_prefill_ms`` (the decode run's own prefill of ``context``
+    tokens), ``prefill_tokens, prefill_ms, prefill_vs_dynamic`` (the prefill column; None when skipped).
+    Bad settings or an unknown preset raise ``ValueError`` before the model loads.
+    """
+    from kvquant.eval.speed import measure_speed, with_ratios
     from kvquant.models import load_model
 
+    contexts = list(contexts)
+    check_settings(contexts, steps, repeats, warmup, prefill)
+    presets = resolve_presets(presets)
     if model is None:
         model, _ = load_model(model_name)
     enable(model)
+    builds = _caches(model, presets, dequant)
     gen = torch.Generator().manual_seed(0)
-    stream = torch.randint(100, model.config.vocab_size - 1, (max(contexts),), generator=gen)
+    stream = torch.randint(100, model.config.vocab_size - 1, (max(contexts + [prefill]),), generator=gen)
+    speed = dict(batch_sizes=[1], warmup=warmup, repeats=repeats)
     try:
-        measured = measure_speed(model, _caches(model, list(presets)), stream, context_lengths=list(contexts),
-                                 batch_sizes=[1], decode_tokens=steps, warmup=warmup, repeats=repeats)  # fmt: skip
+        measured = measure_speed(
+            model, builds, stream, context_lengths=contexts, decode_tokens=steps, **speed
+        )
+        pre = measured
+        if prefill and prefill not in contexts:
+            pre = measure_speed(model, builds, stream, context_lengths=[prefill], decode_tokens=1, **speed)
     finally:
         model.set_attn_implementation("sdpa")
-    base = {r["context"]: r["decode_tok_s"] for r in measured["DynamicCache"]}
-    quanto = {r["context"]: r["decode_tok_s"] for r in measured.get("QuantizedCache quanto int4", [])}
-    rows = [
-        {
-            "context": r["context"],
-            "cache": label,
-            "tokens_per_s": r["decode_tok_s"],
-            "vs_dynamic": r["decode_tok_s"] / base[r["context"]],
-            "vs_quanto_int4": r["decode_tok_s"] / quanto[r["context"]] if quanto else None,
-        }  # fmt: skip
-        for label, label_rows in measured.items()
-        for r in label_rows
-    ]
+    backend, detail = _backend_labels(model, presets)
+    quanto = {r["context"]: r for r in measured.get("QuantizedCache quanto int4", [])}
+    rows = []
+    for label, label_rows in measured.items():
+        p = next((r for r in with_ratios(pre[label], pre["DynamicCache"]) if r["context"] == prefill), None)
+        for r in with_ratios(label_rows, measured["DynamicCache"]):
+            q = quanto.get(r["context"])
+            rows.append(
+                {
+                    "context": r["context"],
+                    "cache": label,
+                    "backend": backend.get(label, ""),
+                    "tokens_per_s": r["decode_tok_s"],
+                    "vs_dynamic": r["decode_x"],
+                    "vs_quanto_int4": r["decode_tok_s"] / q["decode_tok_s"] if q else None,
+                    "context_prefill_ms": r["prefill_ms"],
+                    "prefill_tokens": prefill or None,
+                    "prefill_ms": p["prefill_ms"] if p else None,
+                    "prefill_vs_dynamic": 1 / p["prefill_x"] if p else None,
+                }
+            )
     rows.sort(key=lambda r: r["context"])
-    table = ["| context | cache | decode tok/s | vs DynamicCache | vs quanto int4 |", "|---|---|---|---|---|"]
-    table += [
-        f"| {r['context']} | {r['cache']} | {r['tokens_per_s']:.2f} | {r['vs_dynamic']:.2f}x | "
-        + ("n/a" if r["vs_quanto_int4"] is None else f"{r['vs_quanto_int4']:.2f}x")
-        + " |"
-        for r in rows
-    ]
-    print("\n".join(table))
+    table = to_markdown(rows, contexts, prefill)
+    print(table, end="")
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -99,9 +297,15 @@ def bench_cpu(
             "threads": torch.get_num_threads(),
             "native_cpu_kernel": native_available(),
             "native_cpu_kernel_error": native_error(),
+            "contexts": contexts,
+            "presets": presets,
             "steps": steps,
             "repeats": repeats,
+            "warmup": warmup,
+            "prefill_tokens": prefill or None,
+            "dequant": dequant,
+            "backends": detail,
         }
         (out / "bench_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        (out / "bench_cpu.md").write_text("\n".join(table) + "\n")
+        (out / "bench_cpu.md").write_text(table)
     return rows

@@ -9,8 +9,14 @@ For every (batch, context) shape (32 query / 8 KV heads, head_dim 128 by default
   full fp16 KV (GQA through ``enable_gqa``, or ``repeat_interleave`` on older torch),
 - ``flash-attn-fp16`` / ``flashinfer-fp16`` when those packages import,
 - ``ours-none``: our kernel on the pass-through format (a second fp16 baseline, same code path),
-- ``ours-<fmt>``: our kernel for every quantized format (per-head token scales), plus
-  ``ours-int4-kivi`` (keys per channel in blocks of 128 tokens, values per token).
+- ``ours-<fmt>``: our kernel for every quantized format the Triton backend reads
+  (:func:`triton_formats`, asked of ``kernels.ops``; ``--formats`` picks some), fp16 scales over the
+  whole head, through ``ops.decode_attention(backend="triton")``, plus ``ours-int4-kivi`` (keys per
+  channel in blocks of 128 tokens, values per token).
+
+The stores are quantized from the first 4,096 tokens of random K/V and tiled along the tokens up to
+the context (the time of a decode step does not depend on the values; quantizing 32k tokens of every
+format, trellis searches included, would cost more than the timing).
 
 Reported per row: µs per step, effective GB/s (bytes that must be read: codes + scales + zero
 points, or the fp16 K/V, plus q and out), that bandwidth as % of a device-to-device copy measured
@@ -31,7 +37,26 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]
+QUANTIZE_TOKENS = 4096  # tokens quantized per store; the rest of the context repeats them
+
+
+def triton_formats(head_dim: int = 128) -> list[str]:
+    """Every quantized format whose decode ``kernels.ops`` runs on the Triton backend on CUDA (fp16
+    scales): derived from the backend's declared support, never a list kept here.
+
+    Example:
+        >>> "int4" in triton_formats(128)
+        True
+    """
+    from kvquant.formats import FORMAT_NAMES
+    from kvquant.kernels import ops
+
+    return [
+        f
+        for f in FORMAT_NAMES
+        if f != "none"
+        and ops.backend_for("decode_attention", fmt=f, head_dim=head_dim, device="cuda") == "triton"
+    ]
 
 
 def _git_commit() -> str | None:
@@ -59,17 +84,27 @@ def _nbytes(*ts) -> int:
 
 
 def _store(x: torch.Tensor, fmt: str, group: int, axis: str, scale_dtype=torch.float16):
-    """Quantize ``x[B, H, T, D]`` into TokenStore buffers with our kernel; returns (codes, scale, zero)."""
-    from kvquant.kernels import quantize_append
-    from kvquant.store import TokenStore
+    """Quantize ``x[B, H, T, D]`` into TokenStore buffers (``kernels.ops``); returns (codes, scale, zero).
+
+    The first :data:`QUANTIZE_TOKENS` tokens are quantized and tiled up to ``T`` (see the module
+    docstring)."""
+    from kvquant.cache.store import TokenStore
 
     b, h, t, d = x.shape
+    n = min(t, QUANTIZE_TOKENS)
     s = TokenStore(fmt, group, axis, scale_dtype)
-    s.allocate(b, h, d, t, x.dtype, x.device)
-    step = 8192  # bounded temporaries
-    for i in range(0, t, step):
-        quantize_append(x[:, :, i : i + step], s.codes, s.scale, s.zero, i, fmt, group, axis)
-    return s.codes, s.scale, s.zero
+    n -= n % s.block
+    s.allocate(b, h, d, n, x.dtype, x.device)
+    s.write(0, x[:, :, :n])
+    reps = -(-t // n)
+
+    def tile(buf, rows):  # [B, H, n_rows, W] -> [B, H, rows, W]
+        return (
+            None if buf is None else buf[:, :, : n // s.block].repeat(1, 1, reps, 1)[:, :, :rows].contiguous()
+        )
+
+    rows = t // s.block
+    return tile(s.codes, t), tile(s.scale, rows), tile(s.zero, rows)
 
 
 def _baselines(q, k, v, scaling):
@@ -122,10 +157,12 @@ def _baselines(q, k, v, scaling):
     return out
 
 
-def bench_shape(b: int, t: int, hq: int, hkv: int, d: int, rep: int, copy_gbs: float) -> list[dict]:
+def bench_shape(
+    b: int, t: int, hq: int, hkv: int, d: int, rep: int, copy_gbs: float, formats: list[str] | None = None
+) -> list[dict]:
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from kvquant.kernels import quantized_decode_attention
+    from kvquant.kernels import ops
 
     scaling = d**-0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -173,22 +210,27 @@ def bench_shape(b: int, t: int, hq: int, hkv: int, d: int, rep: int, copy_gbs: f
         record(name, fn, fp16_bytes)
         torch.cuda.empty_cache()
 
-    out = torch.empty(b, hq, d, dtype=torch.float32, device="cuda")
-    lse = torch.empty(b, hq, dtype=torch.float32, device="cuda")
-    configs = [("none", "none", "token", None)] + [(f, f, "token", None) for f in FORMATS]
-    configs.append(("int4-kivi", "int4", "channel", 128))
+    formats = triton_formats(d) if formats is None else formats
+    configs = [("none", "none", "token", None)] + [(f, f, "token", None) for f in formats]
+    if "int4" in formats:
+        configs.append(("int4-kivi", "int4", "channel", 128))
     for label, fmt, axis, kg in configs:
-        if fmt == "none":
-            kst, vst = (k, None, None), (v, None, None)
-        else:
-            kst = _store(k, fmt, kg or d, axis)
-            vst = _store(v, fmt, d, "token")
+        try:
+            if fmt == "none":
+                kst, vst = (k, None, None), (v, None, None)
+            else:
+                kst = _store(k, fmt, kg or d, axis)
+                vst = _store(v, fmt, d, "token")
+        except Exception as e:  # report it, keep going
+            note = f"failed to quantize: {type(e).__name__}: {e}"[:200]
+            rows.append(dict(batch=b, context=t, impl=f"ours-{label}", us=None, note=note))
+            continue
         kw = dict(
             k_fmt=fmt, v_fmt=fmt, k_group=kg, v_group=None, k_axis=axis, start=start, end=t, scaling=scaling
         )
 
         def fn(kst=kst, vst=vst, kw=kw):
-            return quantized_decode_attention(q, *kst, *vst, out=out, lse=lse, **kw)
+            return ops.decode_attention(q, *kst, *vst, **kw, backend="triton")
 
         record(f"ours-{label}", fn, _nbytes(*kst, *vst) + io_bytes)
         del kst, vst
@@ -241,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rep", type=int, default=50, help="ms of graph replays per measurement")
+    ap.add_argument("--formats", nargs="+", default=None, help="default: every format Triton reads")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kvquant.tools.bench_kernels: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
@@ -262,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         cuda=torch.version.cuda,
         python=platform.python_version(),
         git_commit=_git_commit(),
+        formats=args.formats or triton_formats(d),
     )
+    args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for b in args.batches:
         for t in args.contexts:
@@ -272,19 +317,24 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"batch {b} context {t}: skipped (memory)", flush=True)
                 continue
-            rows += bench_shape(b, t, hq, hkv, d, args.rep, copy_gbs)
+            rows += bench_shape(b, t, hq, hkv, d, args.rep, copy_gbs, meta["formats"])
             torch.cuda.empty_cache()
             print(f"batch {b} context {t}: done ({time.time() - t0:.0f}s)", flush=True)
-    meta["seconds"] = time.time() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
+            _write(args.out, rows, {**meta, "seconds": time.time() - t0, "complete": False})
+    meta.update(seconds=time.time() - t0, complete=True)
+    _write(args.out, rows, meta)
+    print(to_markdown(rows, meta))
+    return 0
+
+
+def _write(out: Path, rows: list[dict], meta: dict) -> None:
+    """bench.json + bench.md (after every shape: a run stopped early keeps what it measured)."""
     clean = [
         {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
         for r in rows
     ]
-    (args.out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=clean), indent=1))
-    (args.out / "bench.md").write_text(to_markdown(rows, meta))
-    print(to_markdown(rows, meta))
-    return 0
+    (out / "bench.json").write_text(json.dumps(dict(meta=meta, rows=clean), indent=1))
+    (out / "bench.md").write_text(to_markdown(rows, meta))
 
 
 if __name__ == "__main__":

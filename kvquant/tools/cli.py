@@ -152,10 +152,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvquant.tools.bench_kernels import main as kernels_main
 
         return kernels_main(["--out", args.out or "runs/bench-kernels"])
-    from kvquant.tools.bench import bench_cpu
+    if args.target == "gpu-check":
+        from kvquant.tools.gpu_check import main as gpu_check_main
 
+        argv = ["--out", args.out or "runs/gpu-check", "--device", args.device]
+        return gpu_check_main(argv + (["--tiny"] if args.tiny else []))
+    from kvquant.tools.bench import bench_cpu, check_settings, resolve_presets
+
+    try:  # bad flags: one line, exit 2, before the model loads
+        check_settings(args.contexts, args.steps, args.repeats, args.warmup, args.prefill)
+        presets = resolve_presets(args.presets)
+    except ValueError as exc:
+        return _error("bench", exc)
     bench_cpu(
-        args.model, tuple(args.contexts), tuple(args.presets), args.steps, args.repeats, out_dir=args.out
+        args.model,
+        tuple(args.contexts),
+        tuple(presets),
+        args.steps,
+        args.repeats,
+        args.warmup,
+        out_dir=args.out,
+        prefill=args.prefill,
+        dequant=not args.no_dequant,
     )
     return 0
 
@@ -163,14 +181,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from kvquant.eval.flags import flag_type
 
-    p = sub.add_parser("bench", help="decode speed: 'cpu' (model tokens/s) or 'kernels' (GPU kernels)")
-    p.add_argument("target", choices=["cpu", "kernels"])
+    p = sub.add_parser(
+        "bench",
+        help="speed: 'cpu' (every preset vs DynamicCache), 'kernels' (GPU kernels), 'gpu-check' (GPU)",
+        description="cpu: decode tok/s and prefill time of every preset against DynamicCache "
+        "(kvquant.tools.bench). kernels: the GPU kernel benchmark. gpu-check: GPU test grid + short kernel "
+        "benchmark + long-context generate, JSON + markdown in --out (kvquant.tools.gpu_check).",
+    )
+    p.add_argument("target", choices=["cpu", "kernels", "gpu-check"])
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument("--contexts", type=flag_type(list[int]), default=[2048, 4096])
-    p.add_argument("--presets", type=flag_type(list[str]), default=["int4"])
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--presets", type=flag_type(list[str]), default=["all"], help="comma-separated, or all (default)"
+    )
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    p.add_argument(
+        "--prefill", type=int, default=1024, help="prompt tokens of the prefill column (0: no column)"
+    )
+    p.add_argument(
+        "--no-dequant", action="store_true", help="leave out the dequantizing contenders (half the time)"
+    )
     p.add_argument("--out", default=None, help="folder for JSON + markdown results")
+    p.add_argument("--device", default="cuda", help="gpu-check: cuda, or cpu with --tiny (plumbing test)")
+    p.add_argument("--tiny", action="store_true", help="gpu-check: tiny shapes (plumbing test)")
     p.set_defaults(func=_cmd_bench)
 
 

@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
+from kvquant.config import KVQuantConfig, preset_names
 from kvquant.kernels.cpu import native_available
 from kvquant.models import tiny_model
-from kvquant.tools.bench import bench_cpu
-from kvquant.tools.cli import build_parser
+from kvquant.tools.bench import bench_cpu, preset_backends, resolve_presets
+from kvquant.tools.cli import build_parser, main
 
 
 def test_every_contender_decodes_and_is_timed(tmp_path):
@@ -28,3 +31,77 @@ def test_every_contender_decodes_and_is_timed(tmp_path):
 def test_bench_cli_parses_targets():
     args = build_parser().parse_args(["bench", "cpu", "--contexts", "1024,2048", "--presets", "int4,int8"])
     assert args.contexts == [1024, 2048] and args.presets == ["int4", "int8"]
+
+
+# ------------------------------------------------------------------------------------------ every preset
+
+
+def test_two_presets_give_every_contender_a_row_and_a_prefill_ratio(tmp_path, capsys):
+    presets = ("int4", "tcq2-recent")
+    rows = bench_cpu(
+        model=tiny_model("llama"), contexts=(24, 40), presets=presets, steps=1, repeats=1, warmup=0,
+        prefill=16, out_dir=tmp_path,
+    )  # fmt: skip
+    want = {"DynamicCache"} | {f"kvquant {p} ({m})" for p in presets for m in ("fused", "dequant")}
+    for context in (24, 40):
+        labels = {r["cache"] for r in rows if r["context"] == context}
+        assert want <= labels
+    assert [r["context"] for r in rows] == sorted(r["context"] for r in rows)
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["prefill_tokens"] == 16 and r["prefill_ms"] > 0
+        assert r["prefill_vs_dynamic"] > 0 and r["context_prefill_ms"] > 0
+    dyn = [r for r in rows if r["cache"] == "DynamicCache"]
+    assert all(r["prefill_vs_dynamic"] == 1.0 and r["vs_dynamic"] == 1.0 for r in dyn)
+    fused = next(r for r in rows if r["cache"] == "kvquant tcq2-recent (fused)")
+    backends = preset_backends(KVQuantConfig.resolve("tcq2-recent"), 2, 16)
+    assert fused["backend"] == f"{backends['decode']} / {backends['quantize']}"
+    deq = next(r for r in rows if r["cache"] == "kvquant int4 (dequant)")
+    assert deq["backend"].startswith("sdpa (dequantized) / ")
+    data = json.loads((tmp_path / "bench_cpu.json").read_text())
+    assert data["meta"]["presets"] == list(presets) and data["meta"]["prefill_tokens"] == 16
+    assert [s["segment"] for s in data["meta"]["backends"]["tcq2-recent"]["segments"]] == ["main", "recent"]
+    assert len(data["rows"]) == len(rows)
+    md = (tmp_path / "bench_cpu.md").read_text()
+    assert "prefill 16 time vs DynamicCache" in md and "vs DynamicCache @40" in md
+    assert sum(line.startswith("| kvquant ") for line in md.splitlines()) == 4  # one line per contender
+    assert md in capsys.readouterr().out
+
+
+def test_prefill_at_a_decode_context_reuses_those_runs_and_no_dequant_drops_contenders():
+    rows = bench_cpu(
+        model=tiny_model("llama"), contexts=(24,), presets=("int8",), steps=1, repeats=1, warmup=0,
+        prefill=24, dequant=False,
+    )  # fmt: skip
+    assert not any("(dequant)" in r["cache"] for r in rows)
+    assert all(r["prefill_ms"] == r["context_prefill_ms"] for r in rows)
+
+
+def test_preset_backends_follow_the_device_and_the_segments():
+    cfg = KVQuantConfig.resolve("int4")
+    assert preset_backends(cfg, 2, 64, "cuda")["decode"] == "triton"  # described, not run: no GPU needed
+    assert preset_backends(cfg, 2, 64, "cpu")["decode"] in ("cpu", "chunked")
+    assert len(preset_backends(cfg, 2, 64)["segments"]) == 1
+    recent = preset_backends(KVQuantConfig.resolve("tcq3v2-recent"), 2, 64)["segments"]
+    assert [s["segment"] for s in recent] == ["main", "recent"]
+
+
+def test_all_means_every_shipped_preset():
+    assert resolve_presets(["all"]) == preset_names()
+    assert resolve_presets(None) == preset_names() and "none" in preset_names()
+    assert resolve_presets(["int4", "all"])[0] == "int4"
+
+
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--steps", "-1"], "--steps"),
+        (["--contexts", "0"], "--contexts"),
+        (["--repeats", "0"], "--repeats"),
+        (["--prefill", "-5"], "--prefill"),
+        (["--presets", "int4,nosuchpreset"], "--presets"),
+    ],
+)
+def test_bad_bench_flags_exit_2_with_one_line(flags, flag, capsys):
+    assert main(["bench", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvquant bench: error: {flag}")

@@ -1,0 +1,467 @@
+"""``kvquant bench gpu-check`` (``make gpu-check``): the GPU check in one command.
+
+Three parts, each a subprocess with its own time limit (a part that hangs or crashes costs its limit,
+not the run; what it wrote stays and the next part runs):
+
+1. ``tests``: the ``gpu``-marked pytest grid (``pytest tests -m gpu``) and the sm_90 compile test
+   (``tests/kernels/test_gpu_compile.py``): JUnit XML and a log each, pass / fail / skip counts;
+2. ``kernels``: :mod:`kvquant.tools.bench_kernels` on a short grid (batch 8; contexts 1k / 8k / 32k;
+   32 query / 8 KV heads, head_dim 128; CUDA graphs) over every format the Triton backend reads;
+3. ``generate``: a Llama-shaped random model (8 layers, hidden 4096, 32 / 8 heads, head_dim 128,
+   bf16) under the ``kvquant`` attention, ``model.generate`` of 64 new tokens after a 32k-token prompt
+   for DynamicCache and the presets int4, nuq4, fp8, tcq2-recent: prefill seconds, decode tokens/s
+   (timed by a streamer between the first and the last new token), peak CUDA memory, cache bytes.
+   Each contender first runs a short untimed generate (kernel compiles stay out of the numbers).
+
+Budget (``--budget-s``, default 450 s, so the whole run stays under 8 minutes on one H200): compile
+test 60 s, test grid 150 s (4 pytest-xdist workers when xdist is installed: the grid's cost is
+mostly Triton compiling on the CPU), kernels 110 s, generate 130 s, each cut to what is left. Over its
+limit a part is killed and reported ``timed out`` with whatever it had written (the kernel
+benchmark and the generate part write after every shape / contender; generate also skips the
+contenders it has no time left for, and says so).
+
+Writes into ``--out``: ``gpu_check.json`` (meta, one record per part), ``gpu_check.md`` (printed at
+the end), ``pytest/`` (JUnit + logs), ``kernel_bench/`` (``bench.json``, ``bench.md``),
+``generate.json``. Without CUDA it exits 2 (``no CUDA device``). ``--device cpu --tiny`` runs the
+generate part alone on a tiny model on CPU: the plumbing, for tests.
+
+Example::
+
+    make gpu-check                                   # = kvquant bench gpu-check --out runs/gpu-check
+    kvquant bench gpu-check --out /tmp/gc --device cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BUDGET_S = 450
+LIMITS = {"compile": 60, "grid": 150, "kernels": 110, "generate": 130}  # seconds per part
+PRESETS = ["int4", "nuq4", "fp8", "tcq2-recent"]
+LLAMA = dict(  # Llama-3-8B-shaped layers, fewer of them; transformers' default init (std 0.02)
+    num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=65536,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+FULL = dict(prompt=32768, new_tokens=64, warm_prompt=512, dtype="bfloat16")
+TINY = dict(prompt=48, new_tokens=8, warm_prompt=16, dtype="float32")
+
+
+def _python_m(module: str) -> list[str]:
+    """``python -m module`` without the working directory on ``sys.path`` (``-P``, Python >= 3.11):
+    a checkout's ``kernels/`` must never import as a top-level module."""
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return env | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_part(cmd: list[str], limit: float, log: Path, cwd: Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` (output to ``log``) for at most ``limit`` seconds; kill its process group after."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=_env(), start_new_session=True
+        )
+        try:
+            rc, timed_out = proc.wait(timeout=max(limit, 1)), False
+        except subprocess.TimeoutExpired:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=10)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+            rc, timed_out = proc.returncode, True
+    return {"rc": rc, "timed_out": timed_out, "seconds": round(time.perf_counter() - t0, 1), "log": log.name}
+
+
+def _tail(log: Path, n: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.is_file() else ""
+
+
+# ------------------------------------------------------------------------------------------ part 1: tests
+
+
+def pytest_counts(log: Path) -> dict[str, Any]:
+    """Outcome counts and failed test ids from a ``pytest -v`` log (complete even when killed): lines
+    ``<id> PASSED [ 1%]``, or ``[gw0] [ 1%] PASSED <id>`` under xdist; the closing summary's
+    ``FAILED <id> - ...`` lines match neither."""
+    counts: dict[str, Any] = {}
+    failed = []
+    outcome = "(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+    plain = re.compile(rf"^(\S+::\S+).*? {outcome}\b")
+    xdist = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] {outcome} (\S+::\S+)")
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        m = plain.match(line)
+        found = (m.group(2), m.group(1)) if m else None
+        if found is None and (m := xdist.match(line)):
+            found = (m.group(1), m.group(2))
+        if found:
+            counts[found[0].lower()] = counts.get(found[0].lower(), 0) + 1
+            if found[0] in ("FAILED", "ERROR"):
+                failed.append(found[1])
+    return {**counts, "failed_ids": failed[:30]}
+
+
+def pytest_command() -> list[str]:
+    """pytest beside this Python (else ``python -P -m pytest``), one line per test: ``-vv`` because
+    the project's ``addopts`` holds ``-q``, and a killed run still leaves every finished test's line."""
+    pytest = Path(sys.executable).with_name("pytest")
+    base = [str(pytest)] if pytest.is_file() else _python_m("pytest")
+    return base + ["-p", "no:cacheprovider", "-vv", "-rfE", "--durations=10"]
+
+
+def _tests_dir() -> Path | None:
+    import kvquant
+
+    for root in (Path(kvquant.__file__).resolve().parents[1], Path.cwd()):
+        if (root / "tests" / "kernels").is_dir() and (root / "pyproject.toml").is_file():
+            return root
+    return None
+
+
+def part_tests(out: Path, left) -> dict[str, Any]:
+    """Part 1; ``left(name)``: the seconds a run may take, asked when it starts."""
+    root = _tests_dir()
+    if root is None:
+        return {
+            "status": "skipped: no tests/ folder beside the installed kvquant or in the working directory"
+        }
+    base = pytest_command()
+    (out / "pytest").mkdir(exist_ok=True)
+    import importlib.util
+
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+    runs = {
+        "compile": ["tests/kernels/test_gpu_compile.py"],
+        "grid": ["tests", "-m", "gpu", *workers],
+    }
+    result: dict[str, Any] = {}
+    for name, args in runs.items():
+        log = out / "pytest" / f"{name}.log"
+        junit = out / "pytest" / f"{name}.xml"
+        r = run_part(base + args + [f"--junitxml={junit}"], left(name), log, cwd=root)
+        r["counts"] = pytest_counts(log)
+        r["status"] = (
+            "timed out" if r["timed_out"] else ("passed" if r["rc"] == 0 else f"failed (rc {r['rc']})")
+        )
+        result[name] = r
+    return result
+
+
+# ------------------------------------------------------------------------------------------ part 2: kernels
+
+
+def part_kernels(out: Path, limit: float) -> dict[str, Any]:
+    folder = out / "kernel_bench"
+    folder.mkdir(exist_ok=True)
+    cmd = _python_m("kvquant.tools.bench_kernels") + [
+        "--out", str(folder), "--batches", "8", "--contexts", "1024", "8192", "32768",
+        "--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--rep", "25",
+    ]  # fmt: skip
+    r = run_part(cmd, limit, out / "kernel_bench.log", cwd=out)
+    r["status"] = "timed out" if r["timed_out"] else ("done" if r["rc"] == 0 else f"failed (rc {r['rc']})")
+    data = json.loads((folder / "bench.json").read_text()) if (folder / "bench.json").is_file() else None
+    r["complete"] = bool(data and data["meta"].get("complete"))
+    r["summary"] = kernel_summary(data["rows"]) if data else []
+    return r
+
+
+def kernel_summary(rows: list[dict]) -> list[dict]:
+    """Per impl: speed-up against fp16 SDPA at each context, % of copy bandwidth at the longest timed
+    context, and the first note (a failure, a skip, an eager fallback)."""
+    by: dict[str, dict] = {}
+    for r in rows:
+        if r.get("impl", "*") == "*":
+            continue
+        s = by.setdefault(r["impl"], {"impl": r["impl"], "note": ""})
+        s["note"] = s["note"] or r.get("note") or ""
+        if r.get("us"):
+            s[f"x_sdpa@{r['context']}"] = r.get("speedup_vs_sdpa-fp16")
+            s["pct_copy"] = r.get("pct_copy")
+    return list(by.values())
+
+
+# ------------------------------------------------------------------------------------------ part 3: generate
+
+
+class _Clock:
+    """A ``generate`` streamer that notes the time of every ``put`` (the prompt, then each token)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _model(tiny: bool, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvquant.attention import enable
+    from kvquant.models import tiny_config
+
+    cfg = tiny_config("llama") if tiny else AutoConfig.for_model("llama", **LLAMA)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return enable(model)
+
+
+def _one_generate(
+    model, cache, ids: torch.Tensor, new: int, device: torch.device
+) -> tuple[_Clock, torch.Tensor]:
+    clock = _Clock(device)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new,
+            min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=0,
+        )  # fmt: skip
+    return clock, out
+
+
+def run_generate(
+    out: Path,
+    device: str,
+    tiny: bool,
+    budget: float,
+    prompt: int | None = None,
+    new_tokens: int | None = None,
+) -> int:
+    """Part 3 (its own process): writes ``generate.json`` after every contender."""
+    from transformers import DynamicCache
+
+    from kvquant.cache import KVQuantCache
+    from kvquant.eval.caches import cache_nbytes
+
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    shape = dict(TINY if tiny else FULL)
+    shape.update({k: v for k, v in (("prompt", prompt), ("new_tokens", new_tokens)) if v})
+    model = _model(tiny, dev, getattr(torch, shape["dtype"]))
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab - 1, (1, shape["prompt"]), generator=gen).to(dev)  # [1, T]
+    keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    model_meta = {k: getattr(model.config, k, None) for k in keys}
+    meta = {"device": str(dev), "model": model_meta, **shape, "tiny": tiny}
+    contenders = {"DynamicCache": lambda: DynamicCache(config=model.config)}
+    contenders |= {p: (lambda p=p: KVQuantCache(model.config, p)) for p in PRESETS}
+    rows: list[dict] = []
+    last = 0.0
+    for name, build in contenders.items():
+        spent = time.perf_counter() - t0
+        if spent + 1.5 * last > budget:
+            rows.append({"cache": name, "status": f"skipped: {spent:.0f} s spent of {budget:.0f} s"})
+            continue
+        t1 = time.perf_counter()
+        try:
+            _one_generate(model, build(), ids[:, : shape["warm_prompt"]], 4, dev)  # compiles, untimed
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(dev)
+            cache = build()
+            clock, tokens = _one_generate(model, cache, ids, shape["new_tokens"], dev)
+            t = clock.times  # the prompt, then one time per new token
+            n = tokens.shape[1] - ids.shape[1]
+            row = {
+                "cache": name,
+                "status": "ok",
+                "new_tokens": n,
+                "prefill_s": t[1] - t[0],
+                "decode_tok_s": (len(t) - 2) / (t[-1] - t[1]) if len(t) > 2 else None,
+                "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+                "cache_mib": cache_nbytes(cache) / 2**20,
+            }
+            del cache
+        except Exception as e:  # report it, keep going
+            row = {"cache": name, "status": f"failed: {type(e).__name__}: {' '.join(str(e).split())}"[:300]}
+        last = time.perf_counter() - t1
+        row["seconds"] = round(last, 1)
+        rows.append(row)
+        base = next((r for r in rows if r["cache"] == "DynamicCache" and r["status"] == "ok"), None)
+        for r in rows:
+            ok = base and r.get("decode_tok_s") and base.get("decode_tok_s")
+            r["vs_dynamic"] = r["decode_tok_s"] / base["decode_tok_s"] if ok else None
+        meta["seconds"] = round(time.perf_counter() - t0, 1)
+        (out / "generate.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _f(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def to_markdown(report: dict) -> str:
+    meta, parts = report["meta"], report["parts"]
+    lines = [
+        f"# GPU check: {meta['device']}",
+        "",
+        f"{meta['seconds']:.0f} s in all; commit {meta['git_commit']}.",
+        "",
+    ]
+    tests = parts.get("tests", {})
+    lines += ["## Tests", ""]
+    if "status" in tests:
+        lines.append(tests["status"])
+    for name, r in tests.items():
+        if isinstance(r, dict):
+            c = r["counts"]
+            counts = ", ".join(f"{v} {k}" for k, v in c.items() if k != "failed_ids") or "no results"
+            lines.append(f"- {name}: {r['status']} in {r['seconds']} s ({counts}); log pytest/{r['log']}")
+            lines += [f"  - {t}" for t in c["failed_ids"]]
+    k = parts.get("kernels", {})
+    lines += ["", "## Kernels (batch 8, 32 / 8 heads, head_dim 128, CUDA graphs)", ""]
+    if "summary" in k:
+        done = "" if k["complete"] else " (incomplete)"
+        lines.append(f"{k['status']} in {k['seconds']} s{done}; every row: kernel_bench/bench.md")
+        ctxs = sorted(
+            {int(key.split("@")[1]) for s in k["summary"] for key in s if key.startswith("x_sdpa@")}
+        )
+        if ctxs:
+            head = " | ".join(f"x sdpa-fp16 @{c}" for c in ctxs)
+            lines += ["", f"| impl | {head} | % copy BW (longest) | note |"]
+            lines.append("|---|" + "---:|" * (len(ctxs) + 1) + "---|")
+            for s in k["summary"]:
+                cells = [_f(s.get(f"x_sdpa@{c}"), ".2f") for c in ctxs]
+                cells += [_f(s.get("pct_copy"), ".0f"), s["note"]]
+                lines.append(f"| {s['impl']} | " + " | ".join(cells) + " |")
+    else:
+        lines.append(k.get("status", "not run"))
+    g = parts.get("generate", {})
+    lines += ["", "## generate (Llama-shaped random model)", "", g.get("status", "not run")]
+    if g.get("rows"):
+        m = g["meta"]
+        lines += ["", f"prompt {m['prompt']} tokens, {m['new_tokens']} new, {m['dtype']}, {m['device']}; "
+                  "decode tok/s between the first and the last new token; peak: all CUDA memory allocated "
+                  "(weights included)", ""]  # fmt: skip
+        lines += [
+            "| cache | status | prefill s | decode tok/s | vs DynamicCache | peak GiB | cache MiB |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in g["rows"]:
+            nums = [("prefill_s", ".2f"), ("decode_tok_s", ".1f"), ("vs_dynamic", ".2f"),
+                    ("peak_mem_gib", ".2f"), ("cache_mib", ".4g")]  # fmt: skip
+            cells = [r["cache"], r["status"]] + [_f(r.get(key), spec) for key, spec in nums]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _git_commit() -> str | None:
+    try:
+        cmd = ["git", "rev-parse", "--short", "HEAD"]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
+        return r.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def check(out: Path, device: str = "cuda", tiny: bool = False, budget: float = BUDGET_S, gen_args=()) -> dict:
+    """Run the parts (see the module docstring); write and return the report."""
+    out = out.resolve()  # the parts run in other working directories
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("generate.json", "kernel_bench/bench.json", "kernel_bench/bench.md", "gpu_check.json"):
+        (out / stale).unlink(missing_ok=True)  # an earlier run's results must not pass for this one's
+    t0 = time.perf_counter()
+
+    def left(part: str) -> float:
+        return min(LIMITS[part], budget - (time.perf_counter() - t0))
+
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (tiny)",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "git_commit": _git_commit(), "budget_s": budget, "limits_s": LIMITS,
+    }  # fmt: skip
+    parts: dict[str, Any] = {}
+    if device == "cuda":
+        parts["tests"] = part_tests(out, left)
+        parts["kernels"] = part_kernels(out, left("kernels"))
+    else:
+        parts["tests"] = {"status": "skipped: needs CUDA"}
+        parts["kernels"] = {"status": "skipped: needs CUDA"}
+    cmd = _python_m("kvquant.tools.gpu_check") + ["--part", "generate", "--out", str(out), "--device", device]
+    limit = left("generate")
+    cmd += ["--budget-s", str(max(limit - 15, 1)), *gen_args] + (["--tiny"] if tiny else [])
+    g = run_part(cmd, limit, out / "generate.log", cwd=out)
+    g["status"] = "timed out" if g["timed_out"] else ("done" if g["rc"] == 0 else f"failed (rc {g['rc']})")
+    if g["rc"] not in (0, None) and not g["timed_out"]:
+        g["status"] += ": " + " ".join(_tail(out / "generate.log", 3).split())[-300:]
+    if (out / "generate.json").is_file():
+        g |= json.loads((out / "generate.json").read_text())
+    parts["generate"] = g
+    meta["seconds"] = time.perf_counter() - t0
+    report = {"meta": meta, "parts": parts}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "gpu_check.md").write_text(to_markdown(report))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvquant bench gpu-check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/gpu-check"))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="tiny model and prompt (with --device cpu: tests)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all parts together")
+    ap.add_argument("--prompt", type=int, default=None, help=f"generate: prompt tokens ({FULL['prompt']})")
+    ap.add_argument(
+        "--new-tokens", type=int, default=None, help=f"generate: new tokens ({FULL['new_tokens']})"
+    )
+    ap.add_argument("--part", choices=["generate"], help=argparse.SUPPRESS)  # the subprocess of part 3
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("kvquant bench gpu-check: error: no CUDA device", file=sys.stderr)
+        return 2
+    if args.device == "cpu" and not args.tiny:
+        print("kvquant bench gpu-check: error: --device cpu runs only with --tiny", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.part == "generate":
+        return run_generate(args.out, args.device, args.tiny, args.budget_s, args.prompt, args.new_tokens)
+    gen_args = ["--prompt", str(args.prompt)] if args.prompt else []
+    gen_args += ["--new-tokens", str(args.new_tokens)] if args.new_tokens else []
+    report = check(args.out, args.device, args.tiny, args.budget_s, gen_args)
+    print((args.out / "gpu_check.md").read_text())
+    print(f"results: {args.out} (gpu_check.json, gpu_check.md)")
+    return 0 if passed(report) else 1
+
+
+def passed(report: dict) -> bool:
+    """Every part that ran finished in time and without a failure (skipped parts do not count)."""
+    parts = report["parts"]
+    runs = [r for r in parts["tests"].values() if isinstance(r, dict)]
+    runs += [parts[p] for p in ("kernels", "generate") if "rc" in parts[p]]
+    rows_ok = all(r["status"] == "ok" for r in parts["generate"].get("rows", []))
+    return (
+        rows_ok
+        and bool(parts["generate"].get("rows"))
+        and all(r["rc"] == 0 and not r["timed_out"] for r in runs)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
