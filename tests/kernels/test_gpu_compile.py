@@ -41,11 +41,13 @@ SCRIPT = textwrap.dedent(
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
     def decode(q, kc, vc, **c):
-        ptrs = dict(p_q=q, p_kc=kc, p_vc=vc, p_ks="*fp16", p_kz="*fp16", p_vs="*fp16", p_vz="*fp16",
-                    p_start="*i64", p_o="*fp32", p_lse="*fp32")
-        base = dict(GQ=4, GQP=16, D=128, BT=64, K_BITS=8, V_BITS=8, K_FP8=0, V_FP8=0, K_MODE=0, V_MODE=0,
-                    K_CHANNEL=False, K_G=128, V_G=128, K_SCALE=True, K_ZERO=False, V_SCALE=True, V_ZERO=False,
-                    Q_SPLIT=False, SOFTCAP=False, F32_DOT="tf32x3")
+        scales = "*u8" if c.get("K_SFP8") else "*fp16"
+        ptrs = dict(p_q=q, p_kc=kc, p_vc=vc, p_ks=scales, p_kz=scales, p_vs=scales, p_vz=scales,
+                    p_klut="*fp32", p_vlut="*fp32", p_start="*i64", p_o="*fp32", p_lse="*fp32")
+        base = dict(GQ=4, GQP=16, D=128, BT=64, K_BITS=8, V_BITS=8, K_FP8=0, V_FP8=0, K_LUT=0, V_LUT=0, K_M=1,
+                    V_M=1, K_SFP8=False, V_SFP8=False, K_MODE=0, V_MODE=0, K_CHANNEL=False, K_G=128, V_G=128,
+                    K_SCALE=True, K_ZERO=False, V_SCALE=True, V_ZERO=False, Q_SPLIT=False, SOFTCAP=False,
+                    F32_DOT="tf32x3")
         base.update(c)
         return build(da.decode_attention_split_kernel, ptrs, ("scaling", "softcap"), base, 8)
 
@@ -62,6 +64,12 @@ SCRIPT = textwrap.dedent(
                K_G=32, BT=32, Q_SPLIT=True, SOFTCAP=True),  # int2 KIVI keys
         decode("*fp32", "*u8", "*i8", K_FP8=1, K_MODE=2, V_MODE=2, K_G=32, V_G=16, BT=32, Q_SPLIT=True),  # grouped
         decode("*fp16", "*fp16", "*fp16", K_BITS=16, V_BITS=16, K_SCALE=False, V_SCALE=False, D=256, BT=32),
+        # issue 13: tcq2 keys (trellis states from 4 codes) + nuq4 values (table), 8-bit scales, grouped keys
+        decode("*bf16", "*u8", "*u8", K_BITS=2, V_BITS=4, K_LUT=2, K_M=4, V_LUT=1, K_SFP8=True, V_SFP8=True,
+               K_MODE=2, V_MODE=2, K_G=32, BT=32, Q_SPLIT=True),
+        decode("*fp16", "*u8", "*u8", K_BITS=3, V_BITS=3, K_ZERO=True, V_ZERO=True),  # int3, folded scales
+        decode("*fp16", "*u8", "*u8", K_BITS=3, V_BITS=3, K_LUT=2, K_M=3, V_LUT=1, K_MODE=2, V_MODE=2, BT=32,
+               D=64),  # tcq3 / nuq3
         build(da.merge_splits_kernel, dict(p_op="*fp32", p_lp="*fp32", p_o="*fp32", p_lse="*fp32"), (),
               dict(D=128, BS=8), 4),
         quant("*bf16", "*u8", "*fp16", KIND=2, BITS=4, QMAX=15.0, G=32),
@@ -83,4 +91,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     if proc.returncode and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 8" in proc.stdout
+    assert "compiled 11" in proc.stdout
