@@ -3,8 +3,10 @@
 Decode reads every format with a :class:`~kvquant.formats.TritonRead` (all of them: integers
 including int3's two planes, fp8, the codebooks and the trellis codes through their level tables)
 at power-of-two head sizes from 16 on, with fp32 / fp16 / bf16 / float8_e4m3 scales. Quantize writes
-the formats with Triton quantize constexprs (head size and group size powers of two), bit-identical
-to :func:`kvquant.formats.quantize`. What it supports is derived from the format specs, never from
+the formats with Triton quantize constexprs (``FormatSpec.triton_write``: integers, fp8, the
+codebooks with their scale search in the kernel; head size and group size powers of two), the codes
+and scales of :func:`kvquant.formats.quantize` (bit for bit, except codebook scales in fp32, whose
+RMS is summed in another order: equal squared error, see ``quantize.py``). What it supports is derived from the format specs, never from
 names. The kernel does not look at
 what it quantizes: NaN / Inf inputs and scales the dtype cannot hold are caught by a device-side
 flag (:func:`kvquant.kernels.backend.flag_nonfinite`), raised at the next
@@ -28,9 +30,8 @@ except ImportError as err:  # pragma: no cover - triton is a linux dependency
 # what the kernels read (every format with a TritonRead) and write (with Triton quantize constexprs;
 # the trellis codes: the spec's scales around the Triton search), derived from the specs
 FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).triton_read() is not None)
-WRITE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).triton_constants() is not None)
+WRITE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).triton_write() is not None)
 SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn})
-WRITE_SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 def _pow2(n: int | None) -> bool:
@@ -59,8 +60,13 @@ class TritonBackend(Backend):
             return f"writes {', '.join(sorted(WRITE_FORMATS))}"
         if not (_pow2(call.head_dim) and _pow2(call.group_size)):
             return "head_dim and group_size powers of two"
-        if call.scale_dtype is not None and call.scale_dtype not in WRITE_SCALE_DTYPES:
-            return "scales in fp32 / fp16 / bf16"
+        if call.scale_dtype is not None and call.scale_dtype not in SCALE_DTYPES:
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
+        spec = format_spec(call.fmt)
+        if spec.token_axis_only and call.axis != "token":
+            return "scales along the token axis"
+        if call.static_scale and not spec.takes_static_scale:
+            return "static scales of int8 / fp8"
         return None
 
     def decode_attention(self, *tensors, **kw):

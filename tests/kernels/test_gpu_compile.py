@@ -52,9 +52,10 @@ SCRIPT = textwrap.dedent(
         return build(da.decode_attention_split_kernel, ptrs, ("scaling", "softcap"), base, 8)
 
     def quant(x, codes, scale, **c):
-        ptrs = dict(p_x=x, p_codes=codes, p_scale=scale, p_zero=scale)
+        ptrs = dict(p_x=x, p_codes=codes, p_scale=scale, p_zero=scale, p_levels="*fp32", p_edges="*fp32",
+                    p_grid="*fp32")
         base = dict(D=128, G=128, BT=16, CHANNEL=False, KIND=1, BITS=8, QMAX=127.0, MANT=0, BIAS=0,
-                    SCALE_KIND=1, STATIC=False)
+                    SCALE_KIND=1, STATIC=False, NL=1, NGRID=1)
         base.update(c)
         return build(qz.quantize_append_kernel, ptrs, (), base, 4)
 
@@ -75,6 +76,10 @@ SCRIPT = textwrap.dedent(
         quant("*bf16", "*u8", "*fp16", KIND=2, BITS=4, QMAX=15.0, G=32),
         quant("*fp16", "*u8", "*bf16", KIND=3, QMAX=448.0, MANT=3, BIAS=7, CHANNEL=True, G=16, SCALE_KIND=2),
         quant("*fp32", "*i8", "*fp32", STATIC=True, SCALE_KIND=0, BT=1),
+        # issue 13: int3 planes with 8-bit scales, the nuq4 / nuq2 scale search
+        quant("*bf16", "*u8", "*u8", KIND=2, BITS=3, QMAX=7.0, G=32, SCALE_KIND=3),
+        quant("*bf16", "*u8", "*u8", KIND=4, BITS=4, QMAX=2.73259, G=32, SCALE_KIND=3, NL=16, NGRID=8),
+        quant("*fp16", "*u8", "*fp16", KIND=4, BITS=2, QMAX=1.510418, NL=4, NGRID=8),
     ]
     assert all("cubin" in k.asm for k in built)
     print("compiled", len(built))
@@ -91,4 +96,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     if proc.returncode and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 11" in proc.stdout
+    assert "compiled 14" in proc.stdout
