@@ -274,6 +274,13 @@ def quantize_append(
         )
         quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
         return
+    if spec.triton_write() is None and spec.state_bits is not None:  # trellis: the spec around the kernel
+        from kvquant.kernels.triton.trellis import trellis_encode_triton
+
+        quantize_append_ref(
+            x, codes, scale, zero, index, fmt, group_size, axis, encoder=trellis_encode_triton
+        )
+        return
     static = resolve_static(scale, zero, codes, axis, static_scale)
     if static and not spec.takes_static_scale:
         raise ValueError(f"static_scale: only int8 and fp8 formats take static scales, not {fmt}")

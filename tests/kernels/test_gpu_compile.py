@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvquant.kernels.triton import decode_attention as da, quantize as qz
+    from kvquant.kernels.triton import decode_attention as da, quantize as qz, trellis as tk
 
     def build(fn, ptrs, floats, consts, num_warps):
         sig = {}
@@ -59,7 +59,13 @@ SCRIPT = textwrap.dedent(
         base.update(c)
         return build(qz.quantize_append_kernel, ptrs, (), base, 4)
 
+    def viterbi(**c):
+        ptrs = dict(p_y="*fp32", p_table="*fp32", p_hist="*i32", p_codes="*u8", p_err="*fp32", p_back="*u8")
+        return build(tk.viterbi_kernel, ptrs, (), c, 4)
+
     built = [
+        viterbi(BN=16, K=2, L=8, HIST=True, PER_VECTOR=1),  # tcq2, closed on the seam's codes
+        viterbi(BN=8, K=3, L=9, HIST=True, PER_VECTOR=64),  # tcq3, every history of a short head
         decode("*fp16", "*u8", "*u8", K_BITS=4, V_BITS=4, K_ZERO=True, V_ZERO=True),  # int4, folded scales
         decode("*bf16", "*u8", "*u8", K_BITS=2, V_BITS=2, K_ZERO=True, V_ZERO=True, K_MODE=1, K_CHANNEL=True,
                K_G=32, BT=32, Q_SPLIT=True, SOFTCAP=True),  # int2 KIVI keys
@@ -96,4 +102,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     if proc.returncode and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 14" in proc.stdout
+    assert "compiled 16" in proc.stdout
