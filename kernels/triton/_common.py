@@ -12,8 +12,6 @@ import os
 import triton
 import triton.language as tl
 
-from kvquant.formats import format_spec
-
 # Whether the @triton.jit decorators below ran in interpreter mode (Triton reads TRITON_INTERPRET
 # when a function is decorated, i.e. when this package is imported).
 try:
@@ -23,22 +21,7 @@ try:
 except ImportError:  # pragma: no cover - triton < 3.4
     INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-SCALE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2}
-
-
-def fmt_constants(fmt: str) -> tuple[int, int, float, int, int]:
-    """``(KIND, BITS, QMAX, MANT, BIAS)`` constexprs of a format (KIND 0 pass-through, 1 signed int,
-    2 int with zero point, 3 fp8; the fp8 layout zeros for the others), from its spec."""
-    constants = format_spec(fmt).triton_constants()
-    if constants is None:
-        raise ValueError(f"fmt: the Triton kernels do not read {fmt}")
-    return constants
-
-
-def fp8_code(fmt: str) -> int:
-    """The decode kernel's ``FP8`` constexpr: 0 not fp8, 1 e4m3fn (3 mantissa bits), 2 e5m2."""
-    kind, _, _, mant, _ = fmt_constants(fmt)
-    return 0 if kind != 3 else (1 if mant == 3 else 2)
+SCALE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3}
 
 
 def is_pow2(n: int) -> bool:
@@ -61,9 +44,27 @@ def round_to_scale_dtype(x, SCALE_KIND: tl.constexpr, UP: tl.constexpr):
 
     ``formats.round_to_dtype``: cast, then step one ulp outward if the cast went the wrong way. Any
     cast that lands on one of the two neighbours works (RNE on GPU, truncation in the interpreter).
+    float8_e4m3fn (``SCALE_KIND`` 3): the nearest byte by integer arithmetic, stepped the same way;
+    beyond the largest finite value (448) it is NaN, as in the spec.
     """
     if SCALE_KIND == 0:
         r = x
+    elif SCALE_KIND == 3:
+        a = tl.minimum(tl.abs(x), 448.0)
+        bits = fp8_bits(tl.where(x < 0, -a, a), 3, 7)  # nearest (int32)
+        mag = bits & 0x7F
+        bits = tl.where(mag == 0, 0, bits)  # -0 -> +0 (the spec's grid holds one zero)
+        v = e4m3_value(bits)
+        neg = bits >= 0x80
+        if UP:
+            step = tl.where(neg, bits - 1, mag + 1)  # toward +inf
+            wrong = v < x
+        else:
+            step = tl.where(neg | (mag == 0), 0x80 | (mag + 1), bits - 1)  # toward -inf
+            wrong = v > x
+        bits = tl.where(wrong, step, bits)
+        bits = tl.where(bits == 0x80, 0, bits)
+        r = tl.where((x != x) | ((bits & 0x7F) == 0x7F), float("nan"), e4m3_value(bits))
     else:
         if SCALE_KIND == 1:
             y = x.to(tl.float16)
@@ -86,6 +87,23 @@ def round_to_scale_dtype(x, SCALE_KIND: tl.constexpr, UP: tl.constexpr):
         else:
             r = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
     return r
+
+
+@triton.jit
+def e4m3_value(bits):
+    """fp32 value of float8_e4m3fn bits (int32 in [0, 255], not NaN): exact, through fp16 bit patterns."""
+    b = bits.to(tl.uint16)
+    b = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return b.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def e4m3_bits(v):
+    """Bits (int32) of an fp32 value that float8_e4m3fn holds exactly, or NaN (0x7F); +0 for zero."""
+    ok = v == v
+    bits = fp8_bits(tl.where(ok, v, 0.0), 3, 7)
+    bits = tl.where((bits & 0x7F) == 0, 0, bits)
+    return tl.where(ok, bits, 0x7F)
 
 
 @triton.jit

@@ -1,8 +1,14 @@
 """The Triton kernels as a backend of :mod:`kvquant.kernels.ops` (CUDA; the interpreter when forced).
 
-Decode reads ``none``, ``int8``, ``int4``, ``int2`` and the fp8 formats at power-of-two head sizes
-from 16 on, with fp32 / fp16 / bf16 scales; quantize writes the same formats (head size and group
-size powers of two), bit-identical to :func:`kvquant.formats.quantize`. The kernel does not look at
+Decode reads every format with a :class:`~kvquant.formats.TritonRead` (all of them: integers
+including int3's two planes, fp8, the codebooks and the trellis codes through their level tables)
+at power-of-two head sizes from 16 on, with fp32 / fp16 / bf16 / float8_e4m3 scales. Quantize writes
+the formats with Triton quantize constexprs (``FormatSpec.triton_write``: integers, fp8, the
+codebooks with their scale search in the kernel; head size and group size powers of two), the codes
+and scales of :func:`kvquant.formats.quantize` (bit for bit, except codebook scales in fp32, whose
+RMS is summed in another order: equal squared error, see ``quantize.py``); the trellis codes
+take the spec's scales (device torch) around the Triton Viterbi kernel (``encode``, :mod:`.trellis`). What it supports is derived from the format specs, never from
+names. The kernel does not look at
 what it quantizes: NaN / Inf inputs and scales the dtype cannot hold are caught by a device-side
 flag (:func:`kvquant.kernels.backend.flag_nonfinite`), raised at the next
 :func:`kvquant.kernels.ops.raise_deferred` (no host sync per call); under the interpreter at once.
@@ -13,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvquant.formats import FORMAT_NAMES, format_spec
-from kvquant.kernels.backend import Backend, DecodeCall, QuantizeCall, flag_nonfinite
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, flag_nonfinite
 
 try:
     import triton  # noqa: F401
@@ -22,9 +28,12 @@ try:
 except ImportError as err:  # pragma: no cover - triton is a linux dependency
     _IMPORT_ERROR = str(err)
 
-# the formats with Triton constexprs: a code per element unpacked with one shift and mask, no tables
-FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).triton_constants() is not None)
-SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# what the kernels read (every format with a TritonRead) and write (with Triton quantize constexprs;
+# the trellis codes: the spec's scales around the Triton search), derived from the specs
+FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).triton_read() is not None)
+WRITE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).triton_write() is not None)
+SEARCH_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).state_bits is not None)  # Viterbi kernel
+SCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn})
 
 
 def _pow2(n: int | None) -> bool:
@@ -45,17 +54,37 @@ class TritonBackend(Backend):
         if not (_pow2(call.head_dim) and call.head_dim >= 16):
             return "head_dim a power of two >= 16"
         if not set(call.scale_dtypes) <= SCALE_DTYPES:
-            return "scales in fp32 / fp16 / bf16"
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
         return None
 
     def supports_quantize(self, call: QuantizeCall) -> str | None:
-        if call.fmt not in FORMATS:
-            return f"writes {', '.join(sorted(FORMATS))}"
+        if call.fmt in SEARCH_FORMATS:  # the spec's scales (device torch) around the Viterbi kernel
+            return self.supports_encode(EncodeCall(call.fmt, call.head_dim, call.device))
+        if call.fmt not in WRITE_FORMATS:
+            return f"writes {', '.join(sorted(WRITE_FORMATS | SEARCH_FORMATS))}"
         if not (_pow2(call.head_dim) and _pow2(call.group_size)):
             return "head_dim and group_size powers of two"
         if call.scale_dtype is not None and call.scale_dtype not in SCALE_DTYPES:
-            return "scales in fp32 / fp16 / bf16"
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
+        spec = format_spec(call.fmt)
+        if spec.token_axis_only and call.axis != "token":
+            return "scales along the token axis"
+        if call.static_scale and not spec.takes_static_scale:
+            return "static scales of int8 / fp8"
         return None
+
+    def supports_encode(self, call: EncodeCall) -> str | None:
+        if call.fmt not in SEARCH_FORMATS:
+            return f"searches {', '.join(sorted(SEARCH_FORMATS))}"
+        spec = format_spec(call.fmt)
+        if call.head_dim * spec.bits < spec.state_bits:
+            return "a head of at least one state"
+        return None
+
+    def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
+        from kvquant.kernels.triton.trellis import trellis_encode_triton
+
+        return trellis_encode_triton(y, format_spec(fmt).bits)
 
     def decode_attention(self, *tensors, **kw):
         from kvquant.kernels.triton.decode_attention import quantized_decode_attention

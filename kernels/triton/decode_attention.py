@@ -5,7 +5,9 @@
 1. ``decode_attention_split_kernel``, grid ``(B * Hkv, S)``: program ``(b, h, s)`` serves all ``G_q``
    query heads of KV head ``h`` (each K/V tile is loaded once for the whole GQA group) over the
    ``s``-th share of the row's tiles ``[start[b], end)``. Per tile of ``BT`` tokens it unpacks codes
-   (int4 / int2 planes with one shift + mask each, joined back into channel order), computes the
+   (int4 / int2 planes with one shift + mask each, joined back into channel order; int3's two
+   planes, codebook indices and trellis states gathered channel by channel, then looked up in the
+   format's fp32 table, see ``load_levels``), computes the
    scores, runs an online softmax (base 2) and accumulates ``P @ V``; it writes the normalized
    partial output and its log-sum-exp.
 2. ``merge_splits_kernel``, grid ``(B * Hq,)``: merges the ``S`` partials by log-sum-exp (skipped when
@@ -20,10 +22,14 @@ How scales enter (``K_MODE`` / ``V_MODE``):
 - ``2`` anything else (channel groups smaller than the head, odd channel-axis blocks, the ``none``
   format in bf16 / fp32): the tile is dequantized in registers (``c * s + z``) before the dot.
 
-Precision: every code value (int8, int4, int2, fp8) is exact in fp16, so the folded dots multiply
+Scales and zero points in fp32 / fp16 / bf16 are loaded as they are, float8_e4m3fn ones as bytes
+decoded in the kernel (``load_scale``).
+
+Precision: every code value (int8, int4, int3, int2, fp8) is exact in fp16, so the folded dots multiply
 exact fp16 codes by an fp32 operand carried as two fp16 halves (``hi + lo``, 22 significant bits,
 row-scaled by a power of two so nothing overflows); fp16 queries are used as they are. Dequantized
-tiles (mode 2) use fp32 dots (``tf32x3`` on GPU). The result matches the fp32 reference
+tiles (mode 2) use fp32 dots (``tf32x3`` on GPU); codebook and trellis values (fp32 table entries,
+``TritonRead.exact_f16`` False) always take mode 2. The result matches the fp32 reference
 (:func:`kvquant.kernels.reference.quantized_decode_attention_ref`) to fp32 rounding.
 """
 
@@ -36,7 +42,7 @@ import triton
 
 from kvquant.formats import format_spec, is_static_scale
 from kvquant.kernels.reference import check_attention, quantized_decode_attention_ref
-from kvquant.kernels.triton._common import INTERPRET, fp8_code, is_pow2
+from kvquant.kernels.triton._common import INTERPRET, is_pow2
 from kvquant.kernels.triton.decode_kernels import (  # noqa: F401  (load_codes: re-exported for tests)
     decode_attention_split_kernel,
     load_codes,
@@ -47,15 +53,19 @@ from kvquant.kernels.triton.decode_kernels import (  # noqa: F401  (load_codes: 
 
 
 def _operand(codes, scale, zero, fmt, group, axis, d):
-    """(bits, mode, scale, zero, has_scale, has_zero) of one of K / V for the kernel."""
+    """``(read, mode, scale, zero, has_scale, has_zero)`` of one of K / V for the kernel; ``read``: the
+    format's :class:`~kvquant.formats.TritonRead`."""
     spec = format_spec(fmt)
+    read = spec.triton_read()
+    if read is None:
+        raise ValueError(f"fmt: the Triton kernels do not read {fmt}")
     if not spec.has_scale:  # pass-through
         if codes.shape[-1] != d:
             raise ValueError(
                 f"codes: format none needs raw [B, H, cap, {d}] tensors, got {tuple(codes.shape)}"
             )
         mode = 0 if codes.dtype == torch.float16 else 2  # fp16 is exact in the fp16 dot
-        return 16, mode, None, None, False, False
+        return read, mode, None, None, False, False
     if codes.shape[-1] != spec.code_width(d):
         raise ValueError(f"codes: last dim {codes.shape[-1]} != {spec.code_width(d)} for {fmt}, head_dim {d}")
     if scale is None:
@@ -66,7 +76,7 @@ def _operand(codes, scale, zero, fmt, group, axis, d):
     if axis == "token" and is_static_scale(scale, axis):  # [1, H, 1, 1] -> stride-0 view [B, H, cap, 1]
         if zero is not None:
             raise ValueError("zero: a static per-head scale takes no zero points")
-        return spec.bits, 0, scale.expand(b, h, cap, 1), None, True, False
+        return read, 0 if read.exact_f16 else 2, scale.expand(b, h, cap, 1), None, True, False
     cols = d if axis == "channel" else d // group
     rows = -(-cap // group) if axis == "channel" else cap
     for name, t in (("scale", scale), ("zero", zero if spec.has_zero else None)):
@@ -75,10 +85,28 @@ def _operand(codes, scale, zero, fmt, group, axis, d):
                 f"{name}: shape {tuple(t.shape)} does not fit codes {tuple(codes.shape)} ({axis} axis, G={group})"
             )
     if axis == "channel":
-        mode = 1
+        mode = 1 if read.exact_f16 else 2
     else:
-        mode = 0 if group == d else 2
-    return spec.bits, mode, scale, zero if spec.has_zero else None, True, spec.has_zero
+        mode = 0 if group == d and read.exact_f16 else 2  # table values are not exact in fp16: fp32 dots
+    return read, mode, scale, zero if spec.has_zero else None, True, spec.has_zero
+
+
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _table(read, like: torch.Tensor) -> torch.Tensor:
+    """The format's level table on ``like``'s device, copied there once (any pointer where none)."""
+    if read.table is None:
+        return like
+    key = (id(read.table), like.device)
+    if key not in _TABLES:
+        _TABLES[key] = read.table.to(like.device).contiguous()
+    return _TABLES[key]
+
+
+def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp8 buffers as their bytes (the kernel decodes them; no fp8 loads needed)."""
+    return t.view(torch.uint8) if t is not None and t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def _block_t(d: int, k_mode: int, v_mode: int, k_axis: str, k_group: int) -> tuple[int, int]:
@@ -172,12 +200,17 @@ def quantized_decode_attention(
     vg = d if v_group is None else min(v_group, d)
     if k_axis == "token" and d % kg or d % vg:
         raise ValueError(f"k_group / v_group: {kg}, {vg} must divide head_dim {d}")
-    k_bits, k_mode, k_scale, k_zero, k_has_s, k_has_z = _operand(
+    k_read, k_mode, k_scale, k_zero, k_has_s, k_has_z = _operand(
         k_codes, k_scale, k_zero, k_fmt, kg, k_axis, d
     )
-    v_bits, v_mode, v_scale, v_zero, v_has_s, v_has_z = _operand(
+    v_read, v_mode, v_scale, v_zero, v_has_s, v_has_z = _operand(
         v_codes, v_scale, v_zero, v_fmt, vg, "token", d
     )
+    k_sfp8 = k_scale is not None and k_scale.dtype == torch.float8_e4m3fn
+    v_sfp8 = v_scale is not None and v_scale.dtype == torch.float8_e4m3fn
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale), ("k_zero", k_zero), ("v_zero", v_zero)):
+        if t is not None and t.dtype.itemsize == 1 and t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name}: 8-bit scales are float8_e4m3fn, not {t.dtype}")
     bt, k_mode = _block_t(d, k_mode, v_mode, k_axis, kg)
     if out is None:
         out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
@@ -200,9 +233,8 @@ def quantized_decode_attention(
         o_str, l_str = o_part.stride(), l_part.stride()
     gq = hq // hkv
     dummy = k_codes  # any pointer for absent scale / zero buffers (never read)
-    k_fp8, v_fp8 = fp8_code(k_fmt), fp8_code(v_fmt)
-    k_codes = k_codes.view(torch.uint8) if k_fp8 else k_codes  # fp8: decoded from its bytes
-    v_codes = v_codes.view(torch.uint8) if v_fp8 else v_codes
+    k_codes, v_codes = _bytes(k_codes), _bytes(v_codes)  # fp8: decoded from its bytes
+    k_scale, k_zero, v_scale, v_zero = map(_bytes, (k_scale, k_zero, v_scale, v_zero))
     decode_attention_split_kernel[(b * hkv, s)](
         q,
         k_codes,
@@ -211,6 +243,8 @@ def quantized_decode_attention(
         v_codes,
         v_scale if v_scale is not None else dummy,
         v_zero if v_zero is not None else dummy,
+        _table(k_read, dummy),
+        _table(v_read, dummy),
         start,
         o_part,
         l_part,
@@ -232,10 +266,16 @@ def quantized_decode_attention(
         GQP=max(16, triton.next_power_of_2(gq)),
         D=d,
         BT=bt,
-        K_BITS=k_bits,
-        V_BITS=v_bits,
-        K_FP8=k_fp8,
-        V_FP8=v_fp8,
+        K_BITS=k_read.bits,
+        V_BITS=v_read.bits,
+        K_FP8=k_read.fp8,
+        V_FP8=v_read.fp8,
+        K_LUT=k_read.lut,
+        V_LUT=v_read.lut,
+        K_M=k_read.state_codes,
+        V_M=v_read.state_codes,
+        K_SFP8=k_sfp8,
+        V_SFP8=v_sfp8,
         K_MODE=k_mode,
         V_MODE=v_mode,
         K_CHANNEL=k_axis == "channel",

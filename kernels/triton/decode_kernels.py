@@ -52,6 +52,80 @@ def load_codes(
 
 
 @triton.jit
+def gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_ch, D: tl.constexpr, BITS: tl.constexpr):
+    """Integer codes (int32 ``[BT, D]``) of channels ``o_ch[D]`` (any order) of tokens ``o_t``, each
+    read from its byte: planar 2 / 4 bits (byte ``ch % W``, field ``ch // W``), 3 bits as two planes
+    (the low bit pairs like 2-bit codes, then the high bits eight per byte), 8 bits as they are."""
+    o_t2 = o_t[:, None] * stride_t
+    if BITS == 3:
+        W2: tl.constexpr = D // 4
+        W1: tl.constexpr = D // 8
+        b_lo = tl.load(p_c + o_t2 + ((o_ch % W2) * stride_w)[None, :], mask=m_t[:, None], other=0)
+        b_hi = tl.load(p_c + o_t2 + ((W2 + o_ch % W1) * stride_w)[None, :], mask=m_t[:, None], other=0)
+        b_lo = (b_lo.to(tl.int32) >> ((o_ch // W2) * 2)[None, :]) & 3
+        b_hi = (b_hi.to(tl.int32) >> (o_ch // W1)[None, :]) & 1
+        b_c = b_lo | (b_hi << 2)
+    elif BITS < 8:
+        W: tl.constexpr = D * BITS // 8
+        b_c = tl.load(p_c + o_t2 + ((o_ch % W) * stride_w)[None, :], mask=m_t[:, None], other=0)
+        b_c = (b_c.to(tl.int32) >> ((o_ch // W) * BITS)[None, :]) & ((1 << BITS) - 1)
+    else:
+        b_c = tl.load(p_c + o_t2 + (o_ch * stride_w)[None, :], mask=m_t[:, None], other=0).to(tl.int32)
+    return b_c
+
+
+@triton.jit
+def load_levels(
+    p_c,
+    p_lut,
+    o_t,
+    m_t,
+    stride_t,
+    stride_w,
+    BT: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    FP8: tl.constexpr,
+    LUT: tl.constexpr,
+    M: tl.constexpr,
+):
+    """Values before scaling of tokens ``o_t`` as fp32 ``[BT, D]`` (:class:`kvquant.formats.TritonRead`).
+
+    ``LUT`` 0: the code itself (:func:`load_codes`; 3-bit planes gathered); 1: ``table[code]``
+    (codebooks); 2: ``table[state]``, the state of channel ``d`` being ``c_d | c_(d-1) << BITS | ...``
+    over ``M`` codes read circularly over the head (trellis): the neighbours' codes are gathered from
+    their own bytes, so no register shuffle is needed. Masked tokens read code 0 (a valid entry).
+    """
+    if LUT == 0 and BITS != 3:
+        b_v = load_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, FP8)
+    else:
+        o_d = tl.arange(0, D)
+        b_c = gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_d, D, BITS)  # [BT, D]
+        if LUT == 2:
+            for j in tl.static_range(1, M):
+                o_prev = (o_d + (D - j)) % D  # channel d - j, circularly
+                b_c = b_c | (gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_prev, D, BITS) << (j * BITS))
+        if LUT == 0:
+            b_v = b_c.to(tl.float32)
+        else:
+            b_v = tl.load(p_lut + b_c)  # [BT, D] fp32 table values
+    return b_v
+
+
+@triton.jit
+def load_scale(p, mask, SFP8: tl.constexpr):
+    """Scales (or zero points) at ``p`` as fp32; ``SFP8``: stored as float8_e4m3fn bytes (decoded
+    through fp16 bit patterns, exact)."""
+    if SFP8:
+        b = tl.load(p, mask=mask, other=0).to(tl.uint16)
+        b = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        v = b.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        v = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
 def split_f16(a):
     """fp32 ``a[M, K]`` -> ``(hi, lo, pow2)`` with ``a ~= (hi + lo) * pow2[:, None]`` to 22 bits.
 
@@ -96,6 +170,8 @@ def decode_attention_split_kernel(
     p_vc,
     p_vs,
     p_vz,
+    p_klut,
+    p_vlut,
     p_start,
     p_o,
     p_lse,
@@ -146,6 +222,12 @@ def decode_attention_split_kernel(
     V_BITS: tl.constexpr,
     K_FP8: tl.constexpr,
     V_FP8: tl.constexpr,
+    K_LUT: tl.constexpr,
+    V_LUT: tl.constexpr,
+    K_M: tl.constexpr,
+    V_M: tl.constexpr,
+    K_SFP8: tl.constexpr,
+    V_SFP8: tl.constexpr,
     K_MODE: tl.constexpr,
     V_MODE: tl.constexpr,
     K_CHANNEL: tl.constexpr,
@@ -198,7 +280,7 @@ def decode_attention_split_kernel(
         m_t = (o_t >= st) & (o_t < end)
 
         # ---- scores [GQP, BT]
-        b_k = load_codes(p_kc, o_t, m_t, stride_kct, stride_kcw, BT, D, K_BITS, K_FP8)  # [BT, D]
+        b_k = load_levels(p_kc, p_klut, o_t, m_t, stride_kct, stride_kcw, BT, D, K_BITS, K_FP8, K_LUT, K_M)
         if K_MODE == 0:
             b_kt = tl.trans(b_k).to(tl.float16)  # [D, BT], exact
             if Q_SPLIT:
@@ -207,17 +289,17 @@ def decode_attention_split_kernel(
             else:
                 b_s = tl.dot(b_q16, b_kt)
             if K_SCALE:
-                b_ks = tl.load(p_ks + o_t * stride_ksr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_ks = load_scale(p_ks + o_t * stride_ksr, m_t, K_SFP8)  # [BT]
                 b_s = b_s * b_ks[None, :]
             if K_ZERO:
-                b_kz = tl.load(p_kz + o_t * stride_kzr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_kz = load_scale(p_kz + o_t * stride_kzr, m_t, K_SFP8)  # [BT]
                 b_s += b_qsum[:, None] * b_kz[None, :]
         elif K_MODE == 1:  # the tile lies in one token block: its per-channel scales fold into q
             r = (i_t * BT) // K_G
-            b_ks = tl.load(p_ks + r * stride_ksr + o_d * stride_ksg).to(tl.float32)  # [D]
+            b_ks = load_scale(p_ks + r * stride_ksr + o_d * stride_ksg, o_d < D, K_SFP8)  # [D]
             b_s = dot_split(b_q * b_ks[None, :], tl.trans(b_k).to(tl.float16))
             if K_ZERO:
-                b_kz = tl.load(p_kz + r * stride_kzr + o_d * stride_kzg).to(tl.float32)  # [D]
+                b_kz = load_scale(p_kz + r * stride_kzr + o_d * stride_kzg, o_d < D, K_SFP8)  # [D]
                 b_s += tl.sum(b_q * b_kz[None, :], axis=1)[:, None]
         else:  # dequantize the tile
             if K_SCALE:
@@ -227,9 +309,9 @@ def decode_attention_split_kernel(
                 else:
                     o_r = o_t[:, None] * stride_ksr + (o_d // K_G)[None, :] * stride_ksg
                     o_rz = o_t[:, None] * stride_kzr + (o_d // K_G)[None, :] * stride_kzg
-                b_k = b_k * tl.load(p_ks + o_r, mask=m_t[:, None], other=0.0).to(tl.float32)
+                b_k = b_k * load_scale(p_ks + o_r, m_t[:, None], K_SFP8)
                 if K_ZERO:
-                    b_k += tl.load(p_kz + o_rz, mask=m_t[:, None], other=0.0).to(tl.float32)
+                    b_k += load_scale(p_kz + o_rz, m_t[:, None], K_SFP8)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=F32_DOT)
         b_s = b_s * scaling
         if SOFTCAP:
@@ -244,23 +326,23 @@ def decode_attention_split_kernel(
         b_m = b_mn
 
         # ---- P @ V [GQP, D]
-        b_v = load_codes(p_vc, o_t, m_t, stride_vct, stride_vcw, BT, D, V_BITS, V_FP8)  # [BT, D]
+        b_v = load_levels(p_vc, p_vlut, o_t, m_t, stride_vct, stride_vcw, BT, D, V_BITS, V_FP8, V_LUT, V_M)
         if V_MODE == 0:
             b_pv = b_p
             if V_SCALE:
-                b_vs = tl.load(p_vs + o_t * stride_vsr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_vs = load_scale(p_vs + o_t * stride_vsr, m_t, V_SFP8)  # [BT]
                 b_pv = b_p * b_vs[None, :]
             b_o = dot_split(b_pv, b_v.to(tl.float16))
             if V_ZERO:
-                b_vz = tl.load(p_vz + o_t * stride_vzr, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+                b_vz = load_scale(p_vz + o_t * stride_vzr, m_t, V_SFP8)  # [BT]
                 b_o += tl.sum(b_p * b_vz[None, :], axis=1)[:, None]
         else:
             if V_SCALE:
                 o_r = o_t[:, None] * stride_vsr + (o_d // V_G)[None, :] * stride_vsg
-                b_v = b_v * tl.load(p_vs + o_r, mask=m_t[:, None], other=0.0).to(tl.float32)
+                b_v = b_v * load_scale(p_vs + o_r, m_t[:, None], V_SFP8)
                 if V_ZERO:
                     o_rz = o_t[:, None] * stride_vzr + (o_d // V_G)[None, :] * stride_vzg
-                    b_v += tl.load(p_vz + o_rz, mask=m_t[:, None], other=0.0).to(tl.float32)
+                    b_v += load_scale(p_vz + o_rz, m_t[:, None], V_SFP8)
             b_o = tl.dot(b_p, b_v, input_precision=F32_DOT)
         b_acc = b_acc * b_alpha[:, None] + b_o
 

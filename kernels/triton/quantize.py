@@ -3,9 +3,12 @@
 One program quantizes ``BT`` tokens of one (batch, head): it loads ``x`` as ``[BT, D]``, reduces each
 scale group (``G`` channels of a token, or ``G`` tokens of a channel on the channel axis), rounds the
 scale / zero point outward to the scale dtype, encodes, packs int4 / int2 planar (byte ``j`` holds
-channels ``j, j + W, ...`` with ``W = D * bits / 8``) and stores codes, scales and zero points at
-buffer index ``index``. Bit-identical to :func:`kvquant.formats.quantize` (see ``rint`` /
-``fp8_bits`` in ``_common``); the plain-torch twin is :func:`kvquant.kernels.reference.quantize_append_ref`.
+channels ``j, j + W, ...`` with ``W = D * bits / 8``; int3 as two planes) and stores codes, scales
+and zero points at buffer index ``index``. Codebooks (``nuq*``) run the scale search of
+``Codebook.encode_groups`` in the kernel: the candidates ``RMS * CODEBOOK_SCALE_GRID`` and
+``max|x| / top level``, the nearest level by the midpoints, the least squared error, the norm
+stretch and the re-pick. Scales may be float8_e4m3fn (rounded by integer arithmetic, stored as
+bytes). The plain-torch twin is :func:`kvquant.kernels.reference.quantize_append_ref`.
 
 Restrictions of the kernel: ``D`` and ``G`` powers of two (other shapes fall back to the reference,
 with a warning). Non-finite inputs, or scales the scale dtype cannot hold, are not detected here
@@ -13,9 +16,14 @@ with a warning). Non-finite inputs, or scales the scale dtype cannot hold, are n
 :func:`kvquant.formats.quantize` raises ``ValueError`` for them.
 
 Exactness: divisions use ``tl.div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs),
-rounding is half-to-even by floor arithmetic (``torch.round``), and fp8 codes are encoded from the
-fp32 bits with integer arithmetic (Triton's interpreter casts fp32 -> fp8 without correct rounding);
-so codes match ``formats.quantize`` bit for bit, exact ``.5`` ties included.
+square roots ``tl.sqrt_rn``, rounding is half-to-even by floor arithmetic (``torch.round``), fp8
+codes and fp8 scales are encoded from the fp32 bits with integer arithmetic (Triton's interpreter
+casts fp32 -> fp8 without correct rounding), and the kernel is built without FMA contraction; so
+integer and fp8 codes match ``formats.quantize`` bit for bit, exact ``.5`` ties included. Codebook
+codes and scales match too wherever the group's sums come out the same; the kernel sums squares in
+another order than torch, so a group's RMS / norm may differ in the last bit: with fp16 / bf16 /
+fp8 scales the rounding to the scale dtype absorbs that (in the tests, bit for bit), with fp32
+scales the stored scale may differ by an ulp and the squared error is equal to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -26,11 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.formats import format_spec
+from kvquant.formats import CODEBOOK_SCALE_GRID, format_spec
 from kvquant.kernels.reference import check_append, quantize_append_ref, resolve_static
 from kvquant.kernels.triton._common import (
     SCALE_KIND,
-    fmt_constants,
+    e4m3_bits,
+    e4m3_value,
     fp8_bits,
     is_pow2,
     rint,
@@ -40,9 +49,12 @@ from kvquant.kernels.triton._common import (
 
 @triton.jit
 def _store_rows(p_base, b_val, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_b, stride_h, stride_r, stride_g,
-                G: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, CHANNEL: tl.constexpr):  # fmt: skip
+                G: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, CHANNEL: tl.constexpr,
+                SCALE_KIND: tl.constexpr):  # fmt: skip
     """Store a block of scales (or zero points): one ``[D]`` row per token block on the channel axis,
-    ``[BT, NG]`` per-token group values otherwise."""
+    ``[BT, NG]`` per-token group values otherwise; float8_e4m3fn (``SCALE_KIND`` 3) as its bytes."""
+    if SCALE_KIND == 3:
+        b_val = e4m3_bits(b_val)
     p = p_base + i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h
     if CHANNEL:
         r = (index + i_t * BT) // G
@@ -54,11 +66,62 @@ def _store_rows(p_base, b_val, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_b, st
 
 
 @triton.jit
+def _nearest(b_y, p_edges, NL: tl.constexpr):
+    """Index of the nearest codebook level (``torch.bucketize`` over the midpoints: edges below ``y``;
+    NaN sorts above every edge, as there: the 0 / 0 of an all-zero group gives the top code)."""
+    b_q = tl.zeros(b_y.shape, dtype=tl.int32)
+    for i in tl.static_range(NL - 1):
+        b_q += ((b_y > tl.load(p_edges + i)) | (b_y != b_y)).to(tl.int32)
+    return b_q
+
+
+@triton.jit
+def _codebook_groups(b_xg, p_levels, p_edges, p_grid, QMAX: tl.constexpr, NL: tl.constexpr,
+                     NGRID: tl.constexpr, G: tl.constexpr, SCALE_KIND: tl.constexpr):  # fmt: skip
+    """Codes ``[BT, NG, G]`` and scales ``[BT, NG, 1]`` of groups ``b_xg`` (``Codebook.encode_groups``):
+    of the candidates ``RMS * grid`` and ``max|x| / QMAX`` (each rounded up to the scale dtype) the
+    one with the least squared error (the first on ties), stretched so the group keeps its norm,
+    rounded up, codes re-picked for it; an all-zero group stores scale 0."""
+    b_rms = tl.sqrt_rn(tl.div_rn(tl.sum(b_xg * b_xg, axis=2), G))[:, :, None]  # [BT, NG, 1]
+    b_rms = tl.where(b_rms == 0.0, 1.0, b_rms)
+    b_amax = tl.max(tl.abs(b_xg), axis=2)[:, :, None]
+    b_fit = tl.where(b_amax == 0.0, 1.0, tl.div_rn(b_amax, QMAX))
+    for i in tl.static_range(NGRID + 1):
+        if i < NGRID:
+            b_raw = b_rms * tl.load(p_grid + i)
+        else:
+            b_raw = b_fit
+        b_s = round_to_scale_dtype(b_raw, SCALE_KIND, True)
+        b_q = _nearest(tl.div_rn(b_xg, b_s), p_edges, NL)
+        b_d = tl.load(p_levels + b_q) * b_s - b_xg
+        b_err = tl.sum(b_d * b_d, axis=2)[:, :, None]
+        if i == 0:
+            best_q, best_s, best_err = b_q, b_s, b_err
+        else:
+            better = b_err < best_err
+            best_q = tl.where(better, b_q, best_q)
+            best_s = tl.where(better, b_s, best_s)
+            best_err = tl.minimum(b_err, best_err)
+    b_norm_x = tl.sqrt_rn(tl.sum(b_xg * b_xg, axis=2))[:, :, None]
+    b_lq = tl.load(p_levels + best_q) * best_s
+    b_norm_q = tl.sqrt_rn(tl.sum(b_lq * b_lq, axis=2))[:, :, None]
+    keep = b_norm_q > 0.0
+    b_raw = tl.where(keep, tl.div_rn(best_s * b_norm_x, tl.where(keep, b_norm_q, 1.0)), b_rms)
+    b_s = round_to_scale_dtype(b_raw, SCALE_KIND, True)
+    b_q = _nearest(tl.div_rn(b_xg, b_s), p_edges, NL)
+    b_s = tl.where(b_amax == 0.0, 0.0, b_s)
+    return b_q, b_s
+
+
+@triton.jit
 def quantize_append_kernel(
     p_x,
     p_codes,
     p_scale,
     p_zero,
+    p_levels,
+    p_edges,
+    p_grid,
     n,
     index,
     H,
@@ -89,6 +152,8 @@ def quantize_append_kernel(
     BIAS: tl.constexpr,
     SCALE_KIND: tl.constexpr,
     STATIC: tl.constexpr,
+    NL: tl.constexpr,
+    NGRID: tl.constexpr,
 ):
     i_bh, i_t = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -109,7 +174,11 @@ def quantize_append_kernel(
     else:
         b_xg = tl.reshape(b_x, (BT, NG, G))  # [BT, NG, G]
     if STATIC:
-        b_s = tl.load(p_scale + i_h.to(tl.int64) * stride_sh).to(tl.float32)  # scalar per head
+        b_s = tl.load(p_scale + i_h.to(tl.int64) * stride_sh)  # scalar per head
+        if SCALE_KIND == 3:
+            b_s = e4m3_value(b_s.to(tl.int32))
+        else:
+            b_s = b_s.to(tl.float32)
     elif KIND == 2:  # int_asym: zero point rounded down, scale up
         if CHANNEL:
             b_mn = tl.min(b_xg, axis=0)[None, :]  # [1, D]
@@ -120,7 +189,7 @@ def quantize_append_kernel(
         b_z = round_to_scale_dtype(b_mn, SCALE_KIND, False)
         b_raw = tl.div_rn(b_mx - b_z, QMAX)
         b_s = round_to_scale_dtype(tl.where(b_raw == 0.0, 1.0, b_raw), SCALE_KIND, True)
-    else:
+    elif KIND != 4:
         if CHANNEL:
             b_amax = tl.max(tl.abs(b_xg), axis=0)[None, :]  # [1, D]
         else:
@@ -129,7 +198,9 @@ def quantize_append_kernel(
         b_s = round_to_scale_dtype(tl.where(b_raw == 0.0, 1.0, b_raw), SCALE_KIND, True)
 
     # ---- codes
-    if KIND == 2:
+    if KIND == 4:  # codebook (token axis): the scale search picks scale and codes together
+        b_q, b_s = _codebook_groups(b_xg, p_levels, p_edges, p_grid, QMAX, NL, NGRID, G, SCALE_KIND)
+    elif KIND == 2:
         b_y = tl.minimum(tl.maximum(tl.div_rn(b_xg - b_z, b_s), 0.0), QMAX)
         b_q = rint(b_y).to(tl.int32)
     else:
@@ -139,22 +210,29 @@ def quantize_append_kernel(
         else:
             b_q = fp8_bits(b_y, MANT, BIAS)
     b_q = tl.reshape(b_q, (BT, D))  # [BT, D] channel order
-    if PB > 1:  # planar packing: byte j <- channels j + k * W in bit field k
-        b_q = tl.reshape(b_q, (BT, PB, W))  # [BT, PB, W]
-        o_k = tl.arange(0, PB)
-        b_q = tl.sum(b_q << (o_k * BITS)[None, :, None], axis=1)  # [BT, W]
-    o_w = tl.arange(0, W)
     p_c = p_codes + i_b.to(tl.int64) * stride_cb + i_h.to(tl.int64) * stride_ch
-    p_c = p_c + (index + o_t)[:, None] * stride_ct + o_w[None, :] * stride_cw
-    tl.store(p_c, b_q.to(p_codes.dtype.element_ty), mask=m_t[:, None])
+    p_c = p_c + (index + o_t)[:, None] * stride_ct
+    if BITS == 3:  # two planes: the low bit pairs packed like 2-bit codes, then the high bits 8 per byte
+        b_lo = tl.sum(tl.reshape(b_q & 3, (BT, 4, D // 4)) << (tl.arange(0, 4) * 2)[None, :, None], axis=1)
+        b_hi = tl.sum(tl.reshape(b_q >> 2, (BT, 8, D // 8)) << tl.arange(0, 8)[None, :, None], axis=1)
+        o_lo, o_hi = tl.arange(0, D // 4), D // 4 + tl.arange(0, D // 8)
+        tl.store(p_c + o_lo[None, :] * stride_cw, b_lo.to(p_codes.dtype.element_ty), mask=m_t[:, None])
+        tl.store(p_c + o_hi[None, :] * stride_cw, b_hi.to(p_codes.dtype.element_ty), mask=m_t[:, None])
+    else:
+        if PB > 1:  # planar packing: byte j <- channels j + k * W in bit field k
+            b_q = tl.reshape(b_q, (BT, PB, W))  # [BT, PB, W]
+            o_k = tl.arange(0, PB)
+            b_q = tl.sum(b_q << (o_k * BITS)[None, :, None], axis=1)  # [BT, W]
+        o_w = tl.arange(0, W)
+        tl.store(p_c + o_w[None, :] * stride_cw, b_q.to(p_codes.dtype.element_ty), mask=m_t[:, None])
 
     # ---- scales / zero points
     if not STATIC:
         _store_rows(p_scale, b_s, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_sb, stride_sh, stride_sr, stride_sg,
-                    G, BT, D, NG, CHANNEL)  # fmt: skip
+                    G, BT, D, NG, CHANNEL, SCALE_KIND)  # fmt: skip
         if KIND == 2:
             _store_rows(p_zero, b_z, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_zb, stride_zh, stride_zr, stride_zg,
-                        G, BT, D, NG, CHANNEL)  # fmt: skip
+                        G, BT, D, NG, CHANNEL, SCALE_KIND)  # fmt: skip
 
 
 def _strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -196,31 +274,45 @@ def quantize_append(
         )
         quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
         return
+    if spec.triton_write() is None and spec.state_bits is not None:  # trellis: the spec around the kernel
+        from kvquant.kernels.triton.trellis import trellis_encode_triton
+
+        quantize_append_ref(
+            x, codes, scale, zero, index, fmt, group_size, axis, encoder=trellis_encode_triton
+        )
+        return
     static = resolve_static(scale, zero, codes, axis, static_scale)
     if static and not spec.takes_static_scale:
         raise ValueError(f"static_scale: only int8 and fp8 formats take static scales, not {fmt}")
-    kind, bits, qmax, mant, bias = fmt_constants(fmt)
+    if spec.token_axis_only and axis != "token":
+        raise ValueError(f"axis: {spec.kind} format {fmt} takes scales along the token axis only")
+    constants = spec.triton_write()
+    if constants is None:
+        raise ValueError(f"fmt: the Triton quantize kernel does not write {fmt}")
+    kind, bits, qmax, mant, bias = constants
     scale_kind = SCALE_KIND[scale_name]
     if axis == "channel":
         bt = g
     else:
         bt = min(triton.next_power_of_2(n), max(1, 4096 // d))
-    c = (
-        codes.view(torch.uint8) if spec.code_dtype.is_floating_point else codes
-    )  # fp8 codes are written as their bits
-    grid = (b * h, triton.cdiv(n, bt))
-    quantize_append_kernel[grid](
+    c = codes.view(torch.uint8) if spec.code_dtype.is_floating_point else codes  # fp8 codes: their bits
+    s, z = (t.view(torch.uint8) if t is not None and scale_kind == 3 else t for t in (scale, zero))
+    levels, edges, grid = _codebook_tables(spec, x.device)
+    quantize_append_kernel[(b * h, triton.cdiv(n, bt))](
         x,
         c,
-        scale,
-        zero if zero is not None else scale,
+        s,
+        z if z is not None else s,
+        levels,
+        edges,
+        grid,
         n,
         index,
         h,
         *x.stride(),
         *c.stride(),
-        *_strides(scale),
-        *_strides(zero),
+        *_strides(s),
+        *_strides(z),
         D=d,
         G=g,
         BT=bt,
@@ -232,4 +324,26 @@ def quantize_append(
         BIAS=bias,
         SCALE_KIND=scale_kind,
         STATIC=static,
+        NL=levels.numel(),
+        NGRID=grid.numel(),
+        enable_fp_fusion=False,  # err = (level * s - x)^2 as the spec rounds it (no FMA): the same pick
     )
+
+
+_TABLES: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _codebook_tables(spec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Levels ``[NL]``, midpoints ``[NL - 1]`` and the scale grid ``[NGRID]`` (fp32, on ``device``,
+    made once) of a codebook format, as ``Codebook.encode_groups`` computes them; one-entry
+    placeholders for the others (never read)."""
+    key = (spec.name, device)
+    if key not in _TABLES:
+        if spec.triton_write()[0] == 4:
+            levels = spec.levels.to(device)
+            edges = (levels[1:] + levels[:-1]) / 2
+            grid = torch.tensor(CODEBOOK_SCALE_GRID, dtype=torch.float32, device=device)
+        else:
+            levels = edges = grid = torch.zeros(1, device=device)
+        _TABLES[key] = (levels.contiguous(), edges.contiguous(), grid)
+    return _TABLES[key]

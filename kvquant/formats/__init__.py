@@ -60,7 +60,7 @@ from kvquant.formats.families import CODEBOOK_SCALE_GRID, TRELLIS_QMAX
 from kvquant.formats.packing import pack_codes, unpack_codes
 from kvquant.formats.registry import FORMAT_NAMES, format_spec
 from kvquant.formats.rounding import round_to_dtype
-from kvquant.formats.spec import AXES, SCALE_DTYPES, Encoder, FormatSpec, lloyd_max_levels
+from kvquant.formats.spec import AXES, SCALE_DTYPES, Encoder, FormatSpec, TritonRead, lloyd_max_levels
 
 __all__ = [
     "AXES",
@@ -71,6 +71,7 @@ __all__ = [
     "Encoder",
     "FormatSpec",
     "QuantizedBlock",
+    "TritonRead",
     "dequantize",
     "error_bound",
     "format_spec",

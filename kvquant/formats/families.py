@@ -12,8 +12,14 @@ import math
 import torch
 
 from kvquant.formats.rounding import round_nearest_positive, round_to_dtype
-from kvquant.formats.spec import Encoder, FormatSpec, check_finite
-from kvquant.formats.trellis import TRELLIS_STATE_BITS, check_channels, trellis_decode, trellis_encode
+from kvquant.formats.spec import Encoder, FormatSpec, TritonRead, check_finite
+from kvquant.formats.trellis import (
+    TRELLIS_STATE_BITS,
+    check_channels,
+    trellis_decode,
+    trellis_encode,
+    trellis_table,
+)
 from kvquant.formats.trellis_tables import TABLES
 
 # codebook formats try these multiples of the group's RMS as its scale and keep the best one
@@ -35,6 +41,9 @@ class PassThrough(FormatSpec):
 
     def triton_constants(self):
         return 0, 16, 0.0, 0, 0
+
+    def triton_read(self):
+        return TritonRead(16)
 
     def element_bound(self, xf, s):
         return torch.zeros_like(xf, dtype=torch.float32)
@@ -63,6 +72,9 @@ class SymmetricInt(_AbsMaxScaled):
     def triton_constants(self):
         return 1, self.bits, float(self.qmax), 0, 0
 
+    def triton_read(self):
+        return TritonRead(self.bits)
+
     def encode_units(self, y):
         return torch.round(y.clamp(-self.qmax, self.qmax)).to(torch.int8)
 
@@ -81,6 +93,12 @@ class AsymmetricInt(FormatSpec):
 
     def triton_constants(self):
         return (2, self.bits, float(self.qmax), 0, 0) if self.planar else None
+
+    def triton_read(self):
+        return TritonRead(self.bits)  # 3 bits: two planes, gathered channel by channel
+
+    def triton_write(self):
+        return 2, self.bits, float(self.qmax), 0, 0
 
     def encode_groups(self, x, xg, red, scale_dtype, encoder):
         mn = xg.amin(dim=red, keepdim=True)
@@ -114,6 +132,9 @@ class Fp8(_AbsMaxScaled):
     def triton_constants(self):
         return 3, self.bits, float(self.qmax), self.mantissa_bits, self.exponent_bias
 
+    def triton_read(self):
+        return TritonRead(self.bits, fp8=1 if self.mantissa_bits == 3 else 2)
+
     def lut(self):
         return _lut(self)
 
@@ -142,6 +163,12 @@ class Codebook(FormatSpec):
 
     def lut(self):
         return _lut(self)
+
+    def triton_read(self):
+        return TritonRead(self.bits, lut=1, exact_f16=False, table=_lut(self))
+
+    def triton_write(self):
+        return 4, self.bits, float(self.qmax), 0, 0
 
     def levels_of(self, codes):
         return self.levels.to(codes.device)[codes.long()]
@@ -217,6 +244,10 @@ class Trellis(FormatSpec):
 
     def levels_of(self, codes):
         return trellis_decode(codes, self.bits)
+
+    def triton_read(self):
+        m = self.state_bits // self.bits
+        return TritonRead(self.bits, lut=2, state_codes=m, exact_f16=False, table=trellis_table(self.bits))
 
     def element_bound(self, xf, s):
         self.check_bounded()

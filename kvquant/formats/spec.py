@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -28,6 +28,31 @@ SCALE_DTYPES = {
 }
 # encoder(y[N, D] in units of the scale, bits) -> codes[N, D] uint8: the search of a trellis code
 Encoder = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class TritonRead:
+    """What the Triton decode kernel needs to read one format's codes (its constexprs and a table).
+
+    ``bits``: bits per stored code (16: pass-through, the raw tensor); ``fp8``: 0, 1 e4m3fn, 2 e5m2
+    (decoded from the byte); ``lut``: 0 the code is the value, 1 the value is ``table[code]``, 2 it
+    is ``table[state]`` with the state formed from ``state_codes`` codes (the channel's and those of
+    the channels before it, circularly); ``exact_f16``: every value is exact in fp16 (the kernel may
+    fold scales out of fp16 dot products); ``table``: fp32 ``[n]`` levels where ``lut`` > 0.
+
+    Example:
+        >>> from kvquant.formats import format_spec
+        >>> r = format_spec("tcq2").triton_read()
+        >>> r.bits, r.lut, r.state_codes, r.table.numel()
+        (2, 2, 4, 256)
+    """
+
+    bits: int
+    fp8: int = 0
+    lut: int = 0
+    state_codes: int = 1
+    exact_f16: bool = True
+    table: torch.Tensor | None = field(default=None, repr=False)
 
 
 @functools.cache
@@ -196,6 +221,16 @@ class FormatSpec:
         """``(KIND, BITS, QMAX, MANT, BIAS)`` constexprs of the Triton kernels (KIND 0 pass-through,
         1 signed int, 2 int with zero point, 3 fp8); None where they do not read this format."""
         return None
+
+    def triton_read(self) -> TritonRead | None:
+        """What the Triton decode kernel needs to read this format; None where it does not."""
+        return None
+
+    def triton_write(self) -> tuple[int, int, float, int, int] | None:
+        """``(KIND, BITS, QMAX, MANT, BIAS)`` constexprs of the Triton quantize kernel (the kinds of
+        :meth:`triton_constants`, plus 4: nearest codebook level with the scale search of
+        :meth:`encode_groups`); None where the kernel does not write this format."""
+        return self.triton_constants()
 
     # ------------------------------------------------------------------------------------ numerics
 

@@ -347,8 +347,9 @@ def test_merge_attention_combines_store_and_full_precision_tokens(device):
 @pytest.mark.parametrize("t", [1, 1025, 32768])
 @pytest.mark.parametrize(
     ("k_fmt", "v_fmt", "k_axis", "k_group"),
-    [(f, f, "token", None) for f in FORMATS]
-    + [("int4", "int2", "channel", 32), ("int2", "int2", "channel", 128), ("int8", "int4", "token", 32)],
+    [(f, f, "token", None) for f in FORMATS + ["int3", "nuq4", "nuq3", "nuq2"]]
+    + [("int4", "int2", "channel", 32), ("int2", "int2", "channel", 128), ("int8", "int4", "token", 32)]
+    + [("nuq4", "int3", "token", 32)],  # the trellis codes: test_decode_tables.py (searched on the GPU)
 )
 def test_gpu_full_grid(d, t, k_fmt, v_fmt, k_axis, k_group):
     b, hkv, gq = 8, 8, 4

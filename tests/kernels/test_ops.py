@@ -65,11 +65,19 @@ def test_backend_for_names_the_expected_backend():
     for fmt in ("int8", "int4", "int2", "fp8_e5m2", "none"):  # described, no GPU needed
         assert ops.backend_for("decode_attention", fmt=fmt, head_dim=128, device="cuda") == "triton"
         assert ops.backend_for("quantize_append", fmt=fmt, head_dim=128, device="cuda") == "triton"
-    assert ops.backend_for("decode_attention", fmt="nuq4", head_dim=128, device="cuda") == "chunked"
+    for fmt in ("int3", "nuq4", "tcq2", "tcq3"):  # tables and trellis states read in the kernel (issue 13)
+        assert ops.backend_for("decode_attention", fmt=fmt, head_dim=128, device="cuda") == "triton"
+    fp8 = torch.float8_e4m3fn
+    assert (
+        ops.backend_for("decode_attention", fmt="tcq2", head_dim=64, device="cuda", scale_dtype=fp8)
+        == "triton"
+    )
     assert ops.backend_for("decode_attention", fmt="int4", head_dim=96, device="cuda") == "chunked"
-    assert ops.backend_for("quantize_append", fmt="int3", head_dim=128, device="cuda") == "reference"
+    for fmt in ("int3", "nuq4"):  # int3 planes, the codebook scale search in the kernel (issue 13)
+        assert ops.backend_for("quantize_append", fmt=fmt, head_dim=128, device="cuda") == "triton"
     fp8_scales = dict(head_dim=128, device="cuda", scale_dtype=torch.float8_e4m3fn)
-    assert ops.backend_for("quantize_append", fmt="int8", **fp8_scales) == "reference"
+    assert ops.backend_for("quantize_append", fmt="int8", **fp8_scales) == "triton"
+    assert ops.backend_for("quantize_append", fmt="nuq4", axis="channel", **fp8_scales) == "reference"
 
 
 def test_bad_calls_get_one_clear_error():
