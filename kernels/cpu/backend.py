@@ -23,9 +23,9 @@ from kvquant.kernels.reference import quantize_append_ref
 
 
 class CpuBackend(Backend):
-    """The C kernels on CPU: decode of every format with a code per element (not ``none``, not the
-    trellis codes) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call; quantize of the
-    integer formats on the token axis with computed scales; the trellis search."""
+    """The C kernels on CPU: decode of every quantized format (codes read one by one or, trellis,
+    by their state; not ``none``) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call;
+    quantize of the integer formats on the token axis with computed scales; the trellis search."""
 
     name = "cpu"
     devices = frozenset({"cpu"})

@@ -19,8 +19,8 @@ MAX_HEAD_DIM = 512
 
 
 def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
-    """Whether the kernel reads both formats (every quantized format but the trellis codes; not
-    ``none``) at this head size (up to ``MAX_HEAD_DIM``)."""
+    """Whether the kernel reads both formats (every quantized format; not ``none``) at this head
+    size (up to ``MAX_HEAD_DIM``)."""
     return k_fmt in DECODE_FORMATS and v_fmt in DECODE_FORMATS and head_dim <= MAX_HEAD_DIM
 
 
@@ -30,9 +30,14 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
 
 
-# what kvq_decode reads (scaled codes that decode one by one: integers, fp8 via its table, codebooks
-# via theirs), what kvq_quantize writes (rounded integers) and what kvq_trellis_encode searches
-DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).has_scale and format_spec(n).elementwise)
+def _reads(spec) -> bool:
+    """kvq_decode reads scaled codes that decode one by one (integers, fp8 via its table, codebooks
+    via theirs) or by their state (trellis codes via the state table)."""
+    return spec.has_scale and (spec.elementwise or spec.state_table() is not None)
+
+
+# what kvq_decode reads, what kvq_quantize writes (rounded integers) and what kvq_trellis_encode searches
+DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if _reads(format_spec(n)))
 QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).integer)
 TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).state_bits is not None)
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
@@ -47,9 +52,10 @@ def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
         codes = codes.contiguous()
     keep.append(codes)
     sb, sh, st = _strides(codes)  # 1-byte codes: element strides are byte strides
-    lut = spec.lut()
+    lut = spec.lut() if spec.elementwise else spec.state_table()
     op = _Operand(codes.data_ptr() + lo * codes.stride(2), sb, sh, st)
     op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.signed), 1, 1
+    op.state_codes = spec.state_codes
     op.lut = None if lut is None else lut.data_ptr()
     if scale is None:
         return op

@@ -58,6 +58,7 @@ class _Operand(ctypes.Structure):
         ("channel_axis", ctypes.c_int32),
         ("group", ctypes.c_int32),
         ("scale_dtype", ctypes.c_int32),
+        ("state_codes", ctypes.c_int32),
     ]
 
 

@@ -13,7 +13,13 @@ import torch
 
 from kvquant.formats.rounding import round_nearest_positive, round_to_dtype
 from kvquant.formats.spec import Encoder, FormatSpec, check_finite
-from kvquant.formats.trellis import TRELLIS_STATE_BITS, check_channels, trellis_decode, trellis_encode
+from kvquant.formats.trellis import (
+    TRELLIS_STATE_BITS,
+    check_channels,
+    trellis_decode,
+    trellis_encode,
+    trellis_table,
+)
 from kvquant.formats.trellis_tables import TABLES
 
 # codebook formats try these multiples of the group's RMS as its scale and keep the best one
@@ -217,6 +223,9 @@ class Trellis(FormatSpec):
 
     def levels_of(self, codes):
         return trellis_decode(codes, self.bits)
+
+    def state_table(self):
+        return trellis_table(self.bits)
 
     def element_bound(self, xf, s):
         self.check_bounded()

@@ -192,6 +192,16 @@ class FormatSpec:
         padded to 16); None where the code is the level."""
         return None
 
+    @property
+    def state_codes(self) -> int:
+        """Codes that form one state, the current one and those before it (trellis: ``state_bits /
+        bits``, read circularly over the head); 0 where a code decodes alone."""
+        return 0 if self.state_bits is None else self.state_bits // self.bits
+
+    def state_table(self) -> torch.Tensor | None:
+        """fp32 table state -> level (``[2**state_bits]``) of a trellis format; None elsewhere."""
+        return None
+
     def triton_constants(self) -> tuple[int, int, float, int, int] | None:
         """``(KIND, BITS, QMAX, MANT, BIAS)`` constexprs of the Triton kernels (KIND 0 pass-through,
         1 signed int, 2 int with zero point, 3 fp8); None where they do not read this format."""
