@@ -145,6 +145,7 @@ class Codebook(FormatSpec):
     kind = "codebook"
     packed = True
     token_axis_only = True
+    scale_search = CODEBOOK_SCALE_GRID
 
     def lut(self):
         return _lut(self)
@@ -169,7 +170,7 @@ class Codebook(FormatSpec):
         fit_max = torch.where(
             amax == 0, torch.ones_like(amax), amax / self.qmax
         )  # largest |x| on the top level
-        candidates = [rms * factor for factor in CODEBOOK_SCALE_GRID] + [fit_max]
+        candidates = [rms * factor for factor in self.scale_search] + [fit_max]
         best_q = best_s = best_err = None
         for raw in candidates:
             s = round_to_dtype(raw, scale_dtype, +1)

@@ -129,6 +129,7 @@ class FormatSpec:
     signed: ClassVar[bool] = False  # codes are signed integers
     elementwise: ClassVar[bool] = True  # a code decodes to its level alone (trellis: with neighbours)
     state_bits: ClassVar[int | None] = None  # trellis state bits L: codes searched jointly
+    scale_search: ClassVar[tuple[float, ...] | None] = None  # multiples of the RMS tried as scales
 
     # ------------------------------------------------------------------------------------ layout
 

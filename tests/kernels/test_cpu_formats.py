@@ -11,7 +11,7 @@ import torch
 
 import kvquant.kernels.cpu as native
 import kvquant.kernels.cpu.build as build
-from kvquant.formats import quantize
+from kvquant.formats import format_spec, quantize
 from kvquant.kernels import ops
 from kvquant.kernels.chunked import decode_attention_torch
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
@@ -132,3 +132,138 @@ def test_ops_dispatch_names_cpu_for_trellis_decode():
 @pytest.mark.parametrize("d", [256, 512])
 def test_trellis_decode_on_wide_heads(d):
     _decode("tcq2", "tcq3", d=d, t=21, hkv=1, g=3, v_group=64, seed=d)  # 512: codes unpacked to bytes first
+
+
+# ------------------------------------------------------------------------------------ quantize-and-append
+
+SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+def _rows(x, fmt, group, scale_dtype, index=5, cap=50):
+    """Native quantize of ``x`` into poisoned buffers at ``index``; the written codes / scale / zero
+    beside the spec's block (codes and scales as bytes where the dtype is 8-bit)."""
+    spec = format_spec(fmt)
+    b, h, n, d = x.shape
+    g = group or d
+    codes = torch.full((b, h, cap, spec.code_width(d)), 0xA5, dtype=torch.uint8)
+    scale = torch.full((b, h, cap, d // g), float("nan")).to(scale_dtype)  # poisoned
+    zero = torch.full_like(scale, float("nan")) if spec.has_zero else None
+    assert native.quantize_into(x, codes.view(spec.code_dtype), scale, zero, index, fmt)
+    assert (codes[:, :, :index] == 0xA5).all() and (codes[:, :, index + n :] == 0xA5).all()
+    ref = quantize(x, fmt, group_size=group, scale_dtype=scale_dtype)
+    got = (codes[:, :, index : index + n], scale[:, :, index : index + n], None if zero is None else zero[:, :, index : index + n])  # fmt: skip
+    return got, ref
+
+
+def _x(b, h, n, d, seed, scale_dtype):
+    torch.manual_seed(seed)
+    x = torch.randn(b, h, n, d) * torch.logspace(-3, 2, n)[None, None, :, None]  # small .. large rows
+    x[0, 0, 0] = 0.25  # a constant row
+    x[-1, -1, n // 2, :16] = 0.0  # an all-zero group (group 16): scale 0
+    x[0, -1, 1, 5] = -7.5e-4
+    if scale_dtype == torch.float8_e4m3fn:
+        x = x.clamp(-40, 40)  # scales within e4m3's range
+    return x
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+@pytest.mark.parametrize("fmt", ["nuq4", "nuq3", "nuq2"])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize(("d", "group"), [(64, None), (64, 16), (96, 32), (128, 64), (32, None)])
+def test_codebook_quantize_matches_the_spec(fmt, scale_dtype, d, group):
+    """Codes and scales equal the spec's, except where torch's vectorized sqrt lands one ulp off
+    (quantize_cpu.c): such a group's scale may differ by one step of its dtype, its codes are those
+    its own scale picks, and its squared error equals the spec's to fp32 rounding."""
+    spec = format_spec(fmt)
+    x = _x(2, 3, 37, d, d + spec.bits, scale_dtype)
+    (codes, scale, _), ref = _rows(x, fmt, group, scale_dtype)
+    equal = _bytes(scale) == _bytes(ref.scale)  # [B, H, n, D/G] groups with the spec's scale
+    assert equal.float().mean() >= 0.97  # (on this data: all but a few fp32 groups)
+    same = equal.all(-1)  # rows with every scale equal: every code equal
+    assert torch.equal(codes[same], ref.codes[same])
+    g = group or d
+
+    def sq_err(c, s, xs):  # [D/G] squared error of each group
+        v = spec.levels[spec.unpack(c).long()].view(-1, g) * s.float()[:, None]
+        return (v - xs.view(-1, g)).square().sum(-1)
+
+    for got_c, got_s, want_c, want_s, xs in zip(
+        codes[~same], scale[~same], ref.codes[~same], ref.scale[~same], x[~same], strict=True
+    ):
+        assert ((got_s.float() - want_s.float()).abs() <= want_s.float() * 2**-7).all()  # a step at most
+        assert torch.allclose(sq_err(got_c, got_s, xs), sq_err(want_c, want_s, xs), rtol=1e-4, atol=0)
+    zero_row = scale[-1, -1, 37 // 2].float()
+    if group == 16:
+        assert zero_row[0] == 0  # the all-zero group: scale 0 (exact zeros)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("group", [None, 16])
+def test_fp8_and_integer_quantize_are_bit_exact(fmt, scale_dtype, group):
+    x = _x(2, 3, 33, 64, 20, scale_dtype)
+    x[1, 0, 3, 7] = 1e-9  # fp8: subnormal codes, ties to even
+    (codes, scale, zero), ref = _rows(x, fmt, group, scale_dtype)
+    assert torch.equal(codes, ref.codes.view(torch.uint8))
+    assert torch.equal(_bytes(scale), _bytes(ref.scale))
+    if zero is not None:
+        assert torch.equal(_bytes(zero), _bytes(ref.zero))
+
+
+def test_fp8_casts_round_to_nearest_even_with_saturation():
+    """Every e4m3 / e5m2 byte's value, the midpoints between neighbours and values beyond the range,
+    through the kernel with scale 1 (max|x| = qmax): the cast torch makes."""
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        spec = format_spec(fmt)
+        grid = torch.arange(256, dtype=torch.uint8).view(spec.code_dtype).float()
+        grid = grid[torch.isfinite(grid)].unique()  # ascending
+        mids = (grid[1:] + grid[:-1]) / 2
+        vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))])
+        vals = vals[vals.abs() <= spec.qmax]
+        n = -(-vals.numel() // 64) * 64
+        x = torch.zeros(n)
+        x[: vals.numel()] = vals
+        x = x.view(1, 1, -1, 64)
+        x[..., 0] = spec.qmax  # scale 1 for every row
+        (codes, scale, _), ref = _rows(x, fmt, None, torch.float32, index=0, cap=x.shape[2])
+        assert (scale == 1).all() and torch.equal(codes, ref.codes.view(torch.uint8))
+
+
+def test_quantize_refuses_what_the_spec_refuses():
+    for fmt in ("nuq3", "fp8_e5m2", "int4"):
+        spec = format_spec(fmt)
+        codes = torch.zeros(1, 1, 4, spec.code_width(16), dtype=torch.uint8).view(spec.code_dtype)
+        scale = torch.ones(1, 1, 4, 1, dtype=torch.float8_e4m3fn)
+        zero = torch.zeros_like(scale) if spec.has_zero else None
+        bad = torch.randn(1, 1, 2, 16)
+        bad[0, 0, 1, 3] = float("inf")
+        assert not native.quantize_into(bad, codes, scale, zero, 0, fmt)
+        huge = torch.randn(1, 1, 1, 16) * 1e9  # a scale beyond e4m3's 448
+        assert not native.quantize_into(huge, codes, scale, zero, 0, fmt)
+        with pytest.raises(ValueError, match="scale_dtype"):
+            quantize(huge, fmt, scale_dtype=torch.float8_e4m3fn)
+
+
+def test_ops_dispatch_names_cpu_for_codebook_and_fp8_quantize():
+    for fmt in ("nuq4", "nuq3", "nuq2", "fp8_e4m3", "fp8_e5m2"):
+        for sd in SCALE_DTYPES:
+            assert ops.backend_for("quantize_append", fmt=fmt, head_dim=64, scale_dtype=sd) == "cpu"
+    assert (
+        ops.backend_for("quantize_append", fmt="int8", head_dim=64, scale_dtype=torch.float8_e4m3fn) == "cpu"
+    )
+    assert (
+        ops.backend_for("quantize_append", fmt="fp8_e4m3", head_dim=64, axis="channel", group_size=16)
+        != "cpu"
+    )
+    x = _x(1, 3, 21, 64, 30, torch.float16)
+    codes = torch.full((1, 3, 32, 32), 0xA5, dtype=torch.uint8)
+    scale = torch.full((1, 3, 32, 2), float("nan"), dtype=torch.float16)
+    ops.quantize_append(x, codes, scale, None, 4, fmt="nuq4", group_size=32)
+    ref = quantize(x, "nuq4", group_size=32)
+    assert torch.equal(codes[:, :, 4:25], ref.codes) and torch.equal(scale[:, :, 4:25], ref.scale)
+    x[0, 1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ops.quantize_append(x, codes, scale, None, 4, fmt="nuq4", group_size=32)
