@@ -266,11 +266,11 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
             *head, s_ptr, z_ptr, *_strides(scale), dtype, spec.bits, int(spec.signed), groups
         )
     elif writer == "kvq_quantize_codebook":
-        levels = spec.levels.float().contiguous()
+        levels = spec.lut()  # the levels padded to 16 entries
         grid = torch.tensor(spec.scale_search, dtype=torch.float32)
         rc = lib.kvq_quantize_codebook(
             *head, s_ptr, *_strides(scale), dtype, spec.bits, groups,
-            levels.data_ptr(), grid.data_ptr(), grid.numel(), spec.qmax,
+            levels.data_ptr(), grid.data_ptr(), grid.numel(), spec.qmax, _threads(b * h * n * 16),
         )  # fmt: skip
     else:
         rc = lib.kvq_quantize_fp8(

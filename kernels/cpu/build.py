@@ -117,7 +117,7 @@ def _load(path: Path) -> ctypes.CDLL:
     cb = lib.kvq_quantize_codebook
     cb.restype = ctypes.c_int
     cb.argtypes = [*head, p, i64, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int]
-    cb.argtypes += [ctypes.c_float]
+    cb.argtypes += [ctypes.c_float, ctypes.c_int]
     f8 = lib.kvq_quantize_fp8
     f8.restype = ctypes.c_int
     f8.argtypes = [*head, p, i64, i64, i64, *[ctypes.c_int] * 4, ctypes.c_float]

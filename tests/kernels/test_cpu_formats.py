@@ -107,7 +107,7 @@ def test_trellis_heads_not_a_multiple_of_16_take_the_portable_loop(fmt):
 @pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512vbmi"])
 def test_the_builds_for_other_cpus_read_trellis_codes_too(flag, monkeypatch, tmp_path):
     """The kernel built without AVX-512 (the portable loops) or without its byte permutes (codes
-    unpacked to bytes first): same results."""
+    unpacked to bytes first): same results, decode and quantize."""
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
     cc = shutil.which(os.environ.get("CC", "cc"))
     lib = build._load(build._build(cc, (*build.CFLAGS, flag)))
@@ -115,6 +115,10 @@ def test_the_builds_for_other_cpus_read_trellis_codes_too(flag, monkeypatch, tmp
     _decode("tcq3", "tcq2", d=64, v_group=32, n_fp=3, seed=9)
     _decode("tcq2", "nuq4", d=96, scale_dtype=torch.float8_e4m3fn, seed=10)
     _decode("tcq3", "tcq3", d=32, seed=12)
+    test_codebook_quantize_matches_the_spec("nuq4", torch.float16, 96, 32)  # the scalar loops
+    test_codebook_quantize_matches_the_spec("nuq2", torch.float8_e4m3fn, 64, 16)
+    test_fp8_and_integer_quantize_are_bit_exact("fp8_e5m2", torch.bfloat16, 16)
+    test_fp8_casts_round_to_nearest_even_with_saturation()
 
 
 def test_ops_dispatch_names_cpu_for_trellis_decode():
@@ -267,3 +271,12 @@ def test_ops_dispatch_names_cpu_for_codebook_and_fp8_quantize():
     x[0, 1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         ops.quantize_append(x, codes, scale, None, 4, fmt="nuq4", group_size=32)
+
+
+def test_codebook_quantize_split_among_threads_agrees():
+    x = _x(2, 3, 300, 64, 40, torch.float16)  # enough rows for torch's thread count
+    (codes, scale, _), ref = _rows(x, "nuq3", 32, torch.float16, cap=320)
+    assert torch.equal(codes, ref.codes) and torch.equal(scale, ref.scale)
+    x[1, 2, 299, 63] = float("nan")  # the last row any thread quantizes
+    codes = torch.zeros(2, 3, 300, 24, dtype=torch.uint8)
+    assert not native.quantize_into(x, codes, torch.ones(2, 3, 300, 2, dtype=torch.float16), None, 0, "nuq3")
