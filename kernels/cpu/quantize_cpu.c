@@ -272,57 +272,57 @@ __attribute__((optimize("fp-contract=off"))) int kvq_quantize_codebook(
     int bad = 0, failed = 0;
 #pragma omp parallel num_threads(n_threads < 1 ? 1 : n_threads) reduction(| : bad, failed)
     {
-    uint8_t *q = malloc((size_t)D), *cand = malloc((size_t)gs);
-    float *tmp = malloc(sizeof(float) * (size_t)gs);
-    failed = !q || !cand || !tmp;
+        uint8_t *q = malloc((size_t)D), *cand = malloc((size_t)gs);
+        float *tmp = malloc(sizeof(float) * (size_t)gs);
+        failed = !q || !cand || !tmp;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < B * H * n; r++) { /* one head vector (row) per step, rows split among threads */
-                const int64_t b = r / (H * n), h = r / n % H, t = r % n;
-                if (failed || bad) continue;
-                const float *row = x + b * xsb + h * xsh + t * xst;
-                const int64_t si = b * ssb + h * ssh + t * sst;
-                for (int64_t g = 0; g < n_groups; g++) {
-                    const float *xg = row + g * gs;
-                    uint8_t *qg = q + g * gs;
-                    float amax = 0.0f;
-                    for (int64_t d = 0; d < gs; d++) {
-                        if (!isfinite(xg[d])) bad = 1;
-                        const float a = fabsf(xg[d]);
-                        amax = a > amax ? a : amax;
-                        tmp[d] = xg[d] * xg[d];
-                    }
-                    const float sumsq = torch_sum(tmp, gs);
-                    float rms = sqrtf(sumsq / (float)gs);
-                    if (rms == 0.0f) rms = 1.0f;
-                    const float fit_max = amax == 0.0f ? 1.0f : amax / qmax;
-                    float best_s = 0.0f, best_err = 0.0f;
-                    for (int c = 0; c <= n_grid; c++) { /* the RMS multiples, then fit_max */
-                        const float raw = c < n_grid ? rms * grid[c] : fit_max;
-                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
-                        const float err = codebook_try(xg, gs, s, levels, edges, n_edges, cand, tmp);
-                        if (c == 0 || err < best_err) {
-                            best_s = s;
-                            memcpy(qg, cand, (size_t)gs);
-                        }
-                        /* torch.minimum: NaN propagates */
-                        best_err = c == 0 ? err : (isnan(err) || isnan(best_err) ? NAN : (err < best_err ? err : best_err));
-                    }
-                    /* stretch to the input's norm, round up again, re-pick the levels */
-                    for (int64_t d = 0; d < gs; d++) {
-                        const float v = levels[qg[d]] * best_s;
-                        tmp[d] = v * v;
-                    }
-                    const float norm_q = sqrtf(torch_sum(tmp, gs));
-                    const float norm_x = sqrtf(sumsq);
-                    const float raw = norm_q > 0.0f ? best_s * norm_x / norm_q : rms;
-                    const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
-                    codebook_try(xg, gs, s, levels, edges, n_edges, qg, tmp);
-                    if (amax == 0.0f) store_scalar(scale, si + g, scale_dtype, 0.0f, +1); /* exact zeros */
-                    else if (!isfinite(s)) bad = 1;
+        for (int64_t r = 0; r < B * H * n; r++) { /* one head vector (row) per step, rows split among threads */
+            const int64_t b = r / (H * n), h = r / n % H, t = r % n;
+            if (failed || bad) continue;
+            const float *row = x + b * xsb + h * xsh + t * xst;
+            const int64_t si = b * ssb + h * ssh + t * sst;
+            for (int64_t g = 0; g < n_groups; g++) {
+                const float *xg = row + g * gs;
+                uint8_t *qg = q + g * gs;
+                float amax = 0.0f;
+                for (int64_t d = 0; d < gs; d++) {
+                    if (!isfinite(xg[d])) bad = 1;
+                    const float a = fabsf(xg[d]);
+                    amax = a > amax ? a : amax;
+                    tmp[d] = xg[d] * xg[d];
                 }
-                pack_row(q, bits, D, codes + b * csb + h * csh + t * cst);
-    }
-    free(q), free(cand), free(tmp);
+                const float sumsq = torch_sum(tmp, gs);
+                float rms = sqrtf(sumsq / (float)gs);
+                if (rms == 0.0f) rms = 1.0f;
+                const float fit_max = amax == 0.0f ? 1.0f : amax / qmax;
+                float best_s = 0.0f, best_err = 0.0f;
+                for (int c = 0; c <= n_grid; c++) { /* the RMS multiples, then fit_max */
+                    const float raw = c < n_grid ? rms * grid[c] : fit_max;
+                    const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                    const float err = codebook_try(xg, gs, s, levels, edges, n_edges, cand, tmp);
+                    if (c == 0 || err < best_err) {
+                        best_s = s;
+                        memcpy(qg, cand, (size_t)gs);
+                    }
+                    /* torch.minimum: NaN propagates */
+                    best_err = c == 0 ? err : (isnan(err) || isnan(best_err) ? NAN : (err < best_err ? err : best_err));
+                }
+                /* stretch to the input's norm, round up again, re-pick the levels */
+                for (int64_t d = 0; d < gs; d++) {
+                    const float v = levels[qg[d]] * best_s;
+                    tmp[d] = v * v;
+                }
+                const float norm_q = sqrtf(torch_sum(tmp, gs));
+                const float norm_x = sqrtf(sumsq);
+                const float raw = norm_q > 0.0f ? best_s * norm_x / norm_q : rms;
+                const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                codebook_try(xg, gs, s, levels, edges, n_edges, qg, tmp);
+                if (amax == 0.0f) store_scalar(scale, si + g, scale_dtype, 0.0f, +1); /* exact zeros */
+                else if (!isfinite(s)) bad = 1;
+            }
+            pack_row(q, bits, D, codes + b * csb + h * csh + t * cst);
+        }
+        free(q), free(cand), free(tmp);
     }
     return failed ? -1 : bad;
 }
@@ -387,7 +387,7 @@ int kvq_quantize_fp8(const float *x, int64_t B, int64_t H, int64_t n, int64_t D,
  * errors are formed and summed in the twin's order (difference, square, add; fp32, nothing fused)
  * and ties go to the first index, as torch's min does.
  */
-#pragma STDC FP_CONTRACT OFF
+
 
 /* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
  * cost / next: [S] floats, back: [d * P] bytes; writes states[0..d) and returns the least error. */
