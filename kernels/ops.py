@@ -236,7 +236,7 @@ def backend_for(op_name: str, **call) -> str:
     ``fp_tokens``. ``encode``: ``fmt``, ``head_dim``, ``device``.
 
     Example:
-        >>> backend_for("decode_attention", fmt="tcq2", head_dim=64, device="cpu")
+        >>> backend_for("decode_attention", fmt="none", head_dim=64, device="cpu")
         'chunked'
     """
     if op_name not in OPS:

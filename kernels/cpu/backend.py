@@ -23,9 +23,10 @@ from kvquant.kernels.reference import quantize_append_ref
 
 
 class CpuBackend(Backend):
-    """The C kernels on CPU: decode of every format with a code per element (not ``none``, not the
-    trellis codes) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call; quantize of the
-    integer formats on the token axis with computed scales; the trellis search."""
+    """The C kernels on CPU: decode of every quantized format (codes read one by one or, trellis,
+    by their state; not ``none``) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call;
+    quantize of the integer, codebook and fp8 formats on the token axis with computed scales (the
+    trellis codes: the spec's scales around the C search); the trellis search."""
 
     name = "cpu"
     devices = frozenset({"cpu"})
@@ -51,7 +52,7 @@ class CpuBackend(Backend):
         if call.axis != "token" or call.static_scale:
             return "computed scales along the token axis"
         if call.scale_dtype not in _WRITTEN_SCALE_DTYPES:
-            return "scales in fp32 / fp16 / bf16"
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
         return None
 
     def supports_encode(self, call: EncodeCall) -> str | None:

@@ -19,8 +19,8 @@ MAX_HEAD_DIM = 512
 
 
 def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
-    """Whether the kernel reads both formats (every quantized format but the trellis codes; not
-    ``none``) at this head size (up to ``MAX_HEAD_DIM``)."""
+    """Whether the kernel reads both formats (every quantized format; not ``none``) at this head
+    size (up to ``MAX_HEAD_DIM``)."""
     return k_fmt in DECODE_FORMATS and v_fmt in DECODE_FORMATS and head_dim <= MAX_HEAD_DIM
 
 
@@ -30,13 +30,31 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
 
 
-# what kvq_decode reads (scaled codes that decode one by one: integers, fp8 via its table, codebooks
-# via theirs), what kvq_quantize writes (rounded integers) and what kvq_trellis_encode searches
-DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).has_scale and format_spec(n).elementwise)
-QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).integer)
+def _reads(spec) -> bool:
+    """kvq_decode reads scaled codes that decode one by one (integers, fp8 via its table, codebooks
+    via theirs) or by their state (trellis codes via the state table)."""
+    return spec.has_scale and (spec.elementwise or spec.state_table() is not None)
+
+
+def _writer(spec) -> str | None:
+    """The C entry point that quantizes ``spec`` along the token axis: rounded integers
+    (``kvq_quantize``), the scale search of a codebook (``kvq_quantize_codebook``), float8 codes
+    (``kvq_quantize_fp8``); None where none does (trellis: torch scales around the C search)."""
+    if spec.integer:
+        return "kvq_quantize"
+    if spec.scale_search is not None and spec.elementwise:
+        return "kvq_quantize_codebook"
+    if spec.code_dtype is not None and spec.code_dtype.is_floating_point and spec.bits == 8:
+        return "kvq_quantize_fp8"
+    return None
+
+
+# what kvq_decode reads, what the quantize kernels write and what kvq_trellis_encode searches
+DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if _reads(format_spec(n)))
+QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if _writer(format_spec(n)) is not None)
 TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).state_bits is not None)
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
-_WRITTEN_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # kvq_quantize rounds into these
+_WRITTEN_SCALE_DTYPES = tuple(_SCALE_DTYPES)  # the quantize kernels round into each of these
 
 
 def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
@@ -47,9 +65,10 @@ def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
         codes = codes.contiguous()
     keep.append(codes)
     sb, sh, st = _strides(codes)  # 1-byte codes: element strides are byte strides
-    lut = spec.lut()
+    lut = spec.lut() if spec.elementwise else spec.state_table()
     op = _Operand(codes.data_ptr() + lo * codes.stride(2), sb, sh, st)
     op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.signed), 1, 1
+    op.state_codes = spec.state_codes
     op.lut = None if lut is None else lut.data_ptr()
     if scale is None:
         return op
@@ -182,8 +201,8 @@ def decode_attention_native(
 
 
 def native_quantizes(store, x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_into_store` applies: CPU, integer formats along the token axis with
-    computed scales, a scale dtype the kernel writes, and the kernel built."""
+    """Whether :func:`quantize_into_store` applies: CPU, a format of ``QUANTIZE_FORMATS`` along the
+    token axis with computed scales, a scale dtype the kernels write, and the kernels built."""
     return (
         not x.is_cuda
         and store.axis == "token"
@@ -208,24 +227,55 @@ def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
 
 
 def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
-    """``kvq_quantize``: ``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` /
-    ``zero [B, H, cap, D / G]`` at buffer index ``index`` (an integer format of
-    ``QUANTIZE_FORMATS``, token axis, fp32 / fp16 / bf16 scales, CPU, the kernel built). False where
-    the spec refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted written."""
+    """``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` / ``zero
+    [B, H, cap, D / G]`` at buffer index ``index`` (a format of ``QUANTIZE_FORMATS``, token axis,
+    fp32 / fp16 / bf16 / fp8 e4m3 scales, CPU, the kernels built): the integer formats, the
+    codebooks' scale search and fp8, bit-identical to :func:`kvquant.formats.quantize` (the
+    codebooks' sums of squares in torch's order, see ``quantize_cpu.c``). False where the spec
+    refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted written.
+
+    Example:
+        >>> codes = torch.empty(1, 2, 8, 32, dtype=torch.uint8)               # nuq4, head_dim 64
+        >>> scale = torch.empty(1, 2, 8, 1, dtype=torch.float16)
+        >>> quantize_into(torch.randn(1, 2, 3, 64), codes, scale, None, 0, "nuq4")
+        True
+    """
     spec = format_spec(fmt)
     xf = x.float()
     if xf.stride(-1) != 1:
         xf = xf.contiguous()
     b, h, n, d = xf.shape
-    zero = zero if zero is not None else scale
-    cs, ss, xs = _strides(codes), _strides(scale), _strides(xf)
-    rc = _library().kvq_quantize(
-        xf.data_ptr(), b, h, n, d, *xs,
-        codes.data_ptr() + index * codes.stride(2), *cs,
-        scale.data_ptr() + index * scale.stride(2) * scale.element_size(),
-        zero.data_ptr() + index * zero.stride(2) * zero.element_size(), *ss,
-        _SCALE_DTYPES[scale.dtype], spec.bits, int(spec.signed), scale.shape[-1],
-    )  # fmt: skip
+    lib = _library()
+    head = (
+        xf.data_ptr(),
+        b,
+        h,
+        n,
+        d,
+        *_strides(xf),
+        codes.data_ptr() + index * codes.stride(2),
+        *_strides(codes),
+    )
+    s_ptr = scale.data_ptr() + index * scale.stride(2) * scale.element_size()
+    dtype, groups = _SCALE_DTYPES[scale.dtype], scale.shape[-1]
+    writer = _writer(spec)
+    if writer == "kvq_quantize":
+        zero = zero if zero is not None else scale
+        z_ptr = zero.data_ptr() + index * zero.stride(2) * zero.element_size()
+        rc = lib.kvq_quantize(
+            *head, s_ptr, z_ptr, *_strides(scale), dtype, spec.bits, int(spec.signed), groups
+        )
+    elif writer == "kvq_quantize_codebook":
+        levels = spec.lut()  # the levels padded to 16 entries
+        grid = torch.tensor(spec.scale_search, dtype=torch.float32)
+        rc = lib.kvq_quantize_codebook(
+            *head, s_ptr, *_strides(scale), dtype, spec.bits, groups,
+            levels.data_ptr(), grid.data_ptr(), grid.numel(), spec.qmax, _threads(b * h * n * 16),
+        )  # fmt: skip
+    else:
+        rc = lib.kvq_quantize_fp8(
+            *head, s_ptr, *_strides(scale), dtype, groups, spec.mantissa_bits, spec.exponent_bias, spec.qmax
+        )
     if rc < 0:
         raise MemoryError("native CPU quantize kernel: out of memory")
     return rc == 0

@@ -1,8 +1,9 @@
-"""Build and load the C kernels (``decode_cpu.c`` beside this file): compiled at first use, via ctypes.
+"""Build and load the C kernels (``decode_cpu.c``, ``quantize_cpu.c`` and their header ``kvq_common.h``
+beside this file): compiled at first use, into one library loaded via ctypes.
 
 The shared library is compiled once per machine with ``$CC`` (default ``cc``) and
 ``-O3 -march=native`` into ``<cache_root>/native/`` (see :func:`kvquant.env.cache_root`), named
-by a hash of the source, the flags, the compiler's version and the CPU model, and loaded from there
+by a hash of the sources, the flags, the compiler's version and the CPU model, and loaded from there
 afterwards (a second process reuses it; an interrupted build leaves nothing half-written). Without a
 compiler, when the build fails or with ``KVQUANT_NATIVE=0`` there is no library and the ops take
 the torch backends, with the same numbers.
@@ -29,7 +30,8 @@ from kvquant.env import c_compiler, cache_root, native_enabled
 
 log = logging.getLogger("kvquant")
 
-SOURCE = Path(__file__).parent / "decode_cpu.c"
+SOURCES = tuple(Path(__file__).parent / name for name in ("decode_cpu.c", "quantize_cpu.c"))
+HEADERS = (Path(__file__).parent / "kvq_common.h",)
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 
 _state: dict[str, object] = {}  # "lib": the loaded library, or "error": why there is none
@@ -58,6 +60,7 @@ class _Operand(ctypes.Structure):
         ("channel_axis", ctypes.c_int32),
         ("group", ctypes.c_int32),
         ("scale_dtype", ctypes.c_int32),
+        ("state_codes", ctypes.c_int32),
     ]
 
 
@@ -73,7 +76,7 @@ def _cpu_model() -> str:
 
 def _build(cc: str, flags: tuple[str, ...] = CFLAGS) -> Path:
     """Compile the source with ``flags`` unless a build with the same key exists; its path."""
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
         b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_model().encode()])
@@ -86,7 +89,9 @@ def _build(cc: str, flags: tuple[str, ...] = CFLAGS) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        run = subprocess.run(
+            [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True
+        )
         if run.returncode != 0:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
@@ -108,6 +113,14 @@ def _load(path: Path) -> ctypes.CDLL:
     qz.restype = ctypes.c_int
     qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
     qz.argtypes += [ctypes.c_int] * 4
+    head = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64]  # x, its shape and strides, codes
+    cb = lib.kvq_quantize_codebook
+    cb.restype = ctypes.c_int
+    cb.argtypes = [*head, p, i64, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int]
+    cb.argtypes += [ctypes.c_float, ctypes.c_int]
+    f8 = lib.kvq_quantize_fp8
+    f8.restype = ctypes.c_int
+    f8.argtypes = [*head, p, i64, i64, i64, *[ctypes.c_int] * 4, ctypes.c_float]
     tr = lib.kvq_trellis_encode
     tr.restype = ctypes.c_int
     tr.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_int, i64, p, ctypes.c_int]

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvq_common.h"
+
 #define BLOCK_T 64
 
 typedef struct {
@@ -25,24 +27,15 @@ typedef struct {
     int64_t scale_sb, scale_sh, scale_st; /* element strides */
     const void *zero;                 /* same layout and dtype as scale, or NULL */
     int64_t zero_sb, zero_sh, zero_st;
-    const float *lut;                 /* code -> level table (fp8, codebooks), or NULL */
+    const float *lut;                 /* code -> level table (fp8, codebooks; trellis: state -> level), or NULL */
     int32_t bits;                     /* 8, 4, 3 or 2 */
     int32_t is_signed;                /* 8-bit codes read as int8 (symmetric int8) */
     int32_t n_groups;                 /* token axis: scale groups per head vector */
     int32_t channel_axis;             /* 1: one scale row per `group` tokens, D entries per row */
     int32_t group;                    /* channel axis: tokens per scale row */
     int32_t scale_dtype;              /* scale / zero storage: 0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3fn */
+    int32_t state_codes;              /* trellis: codes per state m (lut has 2^(m*bits) entries); 0: one code per element */
 } kvq_operand;
-
-/* One float8 e4m3fn value (bias 7, no infinities, 0x7f / 0xff NaN) -> fp32. */
-static inline float e4m3_to_f32(uint8_t b) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    float v;
-    if (e == 15 && m == 7) v = NAN;
-    else if (e == 0) v = ldexpf((float)m, -9);      /* subnormal: m / 8 * 2^-6 */
-    else v = ldexpf((float)(8 + m), e - 10);        /* (1 + m / 8) * 2^(e - 7) */
-    return (b & 0x80) ? -v : v;
-}
 
 /* n scale / zero entries starting at element i of p (stored as `dtype`) -> fp32 dst. */
 static inline void load_f32(const void *p, int dtype, int64_t i, int n, float *restrict dst) {
@@ -121,7 +114,15 @@ static inline void load_row(const kvq_operand *o, int64_t b, int64_t h, int64_t 
         memcpy(out, c, sizeof(float) * (size_t)D);
         return;
     }
-    if (o->lut) {
+    if (o->state_codes) { /* trellis: the state of channel d is its code and the m-1 before it, circularly */
+        unpack_row(c, o->bits, D, idx);
+        const int m = o->state_codes, k = o->bits;
+        for (int d = 0; d < D; d++) {
+            uint32_t s = 0;
+            for (int j = 0; j < m; j++) s |= (uint32_t)idx[d - j >= 0 ? d - j : d - j + D] << (j * k);
+            out[d] = o->lut[s];
+        }
+    } else if (o->lut) {
         unpack_row(c, o->bits, D, idx);
         for (int d = 0; d < D; d++) out[d] = o->lut[idx[d]];
     } else if (o->bits == 8) {
@@ -191,10 +192,111 @@ static inline __m512 hsum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* unpack_row for 2- and 3-bit planar codes, 16 bytes per step (masked at the end of a plane). */
+static inline void unpack_row_simd(const uint8_t *restrict c, int bits, int D, uint8_t *restrict idx) {
+    const int w = D / 4;
+    const __m128i three = _mm_set1_epi8(3), one = _mm_set1_epi8(1);
+    for (int j = 0; j < w; j += 16) { /* the int2 plane: channel j + k w in bits 2k .. 2k+1 of byte j */
+        const __mmask16 m = (__mmask16)(w - j >= 16 ? 0xFFFF : (1u << (w - j)) - 1u);
+        const __m128i v = _mm_maskz_loadu_epi8(m, c + j);
+        for (int k = 0; k < 4; k++)
+            _mm_mask_storeu_epi8(idx + k * w + j, m, _mm_and_si128(_mm_srli_epi16(v, 2 * k), three));
+    }
+    if (bits == 2) return;
+    const int w1 = D / 8; /* 3 bits: the high bit of channel j + k w1 is bit k of byte w + j */
+    for (int j = 0; j < w1; j += 16) {
+        const __mmask16 m = (__mmask16)(w1 - j >= 16 ? 0xFFFF : (1u << (w1 - j)) - 1u);
+        const __m128i v = _mm_maskz_loadu_epi8(m, c + w + j);
+        for (int k = 0; k < 8; k++) {
+            uint8_t *dst = idx + k * w1 + j;
+            const __m128i hi = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(v, k), one), 2);
+            _mm_mask_storeu_epi8(dst, m, _mm_or_si128(_mm_maskz_loadu_epi8(m, dst), hi));
+        }
+    }
+}
+#else
+#define unpack_row_simd unpack_row
+#endif
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVQ_TRELLIS_VBMI 1
+/* Trellis states of a whole row (up to 256 channels, 2- or 3-bit codes) straight from its bytes, in
+ * registers: for each 64-channel group, every piece of a state (the low bit pair or the high bit of
+ * the code j channels back, circularly) is one byte permute of the row's plane (vpermb) that brings
+ * the source byte to the lane, one multishift that moves the field to its place in the state, and
+ * one masked or. lo: state bits 0..7, hi: bits 8..15 (3-bit codes: the top bit of 9). */
+typedef struct {
+    int key, n_pieces, w, w1;
+    uint8_t perm[4][8][64], ctl[4][8][64]; /* [group][piece][lane] */
+    uint8_t mask[8], window[8], high[8];   /* per piece: field mask, plane (0 low, 1 high), dest byte */
+} trellis_ix;
+
+static const trellis_ix *trellis_index(int bits, int m, int D) {
+    static __thread trellis_ix ix;
+    const int key = bits | m << 4 | D << 8;
+    if (ix.key == key) return &ix;
+    ix.key = 0;
+    const int w = D / 4, w1 = D / 8;
+    int n = 0;
+    for (int j = 0; j < m; j++)
+        for (int part = 0; part < (bits == 3 ? 2 : 1); part++) {
+            const int len = part ? 1 : 2, dest = j * bits + (part ? 2 : 0);
+            if (dest / 8 != (dest + len - 1) / 8 || n >= 8) return NULL; /* (not for the shipped codes) */
+            ix.mask[n] = (uint8_t)(((1 << len) - 1) << (dest % 8));
+            ix.window[n] = (uint8_t)part;
+            ix.high[n] = (uint8_t)(dest / 8);
+            for (int g = 0; g < (D + 63) / 64; g++)
+                for (int i = 0; i < 64; i++) {
+                    const int ch = 64 * g + i, src = ((ch - j) % D + D) % D;
+                    int byte = 0, bit = 0;
+                    if (ch < D) {
+                        const int plane = part ? src / w1 : src / w;
+                        byte = part ? src - plane * w1 : src - plane * w;
+                        bit = part ? plane : 2 * plane;
+                    }
+                    ix.perm[g][n][i] = (uint8_t)byte; /* source byte to lane i, then bits shifted */
+                    ix.ctl[g][n][i] = (uint8_t)((8 * (i % 8) + bit - dest % 8 + 64) % 64);
+                }
+            n++;
+        }
+    ix.n_pieces = n, ix.w = w, ix.w1 = bits == 3 ? w1 : 0, ix.key = key;
+    return &ix;
+}
+
+/* One row's dequantized values out[D] (times the group scales s, or raw when s is NULL). */
+static inline void trellis_row_vbmi(const trellis_ix *ix, const uint8_t *row, const float *lut, int D,
+                                    const float *s, int gs, float *out) {
+    const __m512i lo_win = _mm512_maskz_loadu_epi8(ix->w >= 64 ? ~0ULL : (1ULL << ix->w) - 1, row);
+    const __m512i hi_win = ix->w1 ? _mm512_maskz_loadu_epi8((1ULL << ix->w1) - 1, row + ix->w) : lo_win;
+    for (int g = 0; g < (D + 63) / 64; g++) {
+        __m512i st[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int p = 0; p < ix->n_pieces; p++) {
+            const __m512i src = _mm512_permutexvar_epi8(_mm512_loadu_si512(ix->perm[g][p]), ix->window[p] ? hi_win : lo_win);
+            const __m512i f = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(ix->ctl[g][p]), src);
+            st[ix->high[p]] = _mm512_ternarylogic_epi32(st[ix->high[p]], f, _mm512_set1_epi8((char)ix->mask[p]), 0xF8);
+        }
+        uint8_t lo[64], hi[64];
+        _mm512_storeu_si512(lo, st[0]);
+        _mm512_storeu_si512(hi, st[1]);
+        for (int c = 0; c < 4 && 64 * g + 16 * c < D; c++) {
+            __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lo + 16 * c)));
+            if (ix->w1) /* 3-bit codes: the states' ninth bit */
+                idx = _mm512_or_si512(idx, _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(hi + 16 * c))), 8));
+            __m512 x = _mm512_i32gather_ps(idx, lut, 4);
+            const int d0 = 64 * g + 16 * c;
+            if (s) x = _mm512_mul_ps(x, _mm512_set1_ps(s[d0 / gs]));
+            _mm512_storeu_ps(out + d0, x);
+        }
+    }
+}
+#endif
+
 /* Can load_block16 read this operand? (every 16-channel chunk lies in one bit plane and one scale
  * group). Otherwise the row-by-row load_row is used. */
 static int avx_loadable(const kvq_operand *o, int64_t D) {
     if (D % 16 || D > 512) return 0;
+    if (o->state_codes) return !(o->scale && !o->channel_axis && (D / o->n_groups) % 16);
     if (o->bits == 4 && (D / 2) % 16) return 0;
     if (o->bits == 2 && (D / 4) % 16) return 0;
     if (o->bits == 3 && (D / 8) % 16) return 0;
@@ -224,6 +326,9 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
     const int small_lut = o->lut && o->bits < 8;
     const __m512 lut16 = small_lut ? _mm512_loadu_ps(o->lut) : _mm512_setzero_ps();
     const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 16;
+#ifdef KVQ_TRELLIS_VBMI
+    const trellis_ix *tix = o->state_codes && D <= 256 && o->bits <= 3 ? trellis_index(o->bits, o->state_codes, (int)D) : NULL;
+#endif
     for (int64_t i = 0; i < nt; i++) {
         const int64_t t = t0 + i;
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
@@ -235,6 +340,30 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
+#ifdef KVQ_TRELLIS_VBMI
+        if (tix) {
+            trellis_row_vbmi(tix, row, o->lut, (int)D, s, gs, dst);
+            continue;
+        }
+#endif
+        if (o->state_codes) { /* trellis: codes unpacked with the m-1 that wrap around before channel 0 */
+            const int m = o->state_codes, k = o->bits;
+            uint8_t ib[16 + 512 + 16];
+            unpack_row_simd(row, o->bits, (int)D, ib + 16);
+            memcpy(ib + 16 - (m - 1), ib + 16 + D - (m - 1), (size_t)(m - 1));
+            for (int c = 0; c < nc; c++) {
+                const uint8_t *p = ib + 16 + 16 * c;
+                __m512i st = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                for (int j = 1; j < m; j++) {
+                    const __m512i cj = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p - j)));
+                    st = _mm512_or_si512(st, _mm512_sll_epi32(cj, _mm_cvtsi32_si128(j * k)));
+                }
+                __m512 x = _mm512_i32gather_ps(st, o->lut, 4);
+                if (s) x = _mm512_mul_ps(x, _mm512_set1_ps(s[16 * c / gs]));
+                _mm512_storeu_ps(dst + 16 * c, x);
+            }
+            continue;
+        }
         if (raw && o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
             for (int j = 0; j < w; j += 16) {
                 const __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j)));
@@ -579,241 +708,4 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
     free(jobs[0].l);
     for (int w = 1; w < n_threads; w++) { free(jobs[w].acc); free(jobs[w].m); free(jobs[w].l); }
     return rc;
-}
-
-/* ------------------------------------------------------------------------------------------------
- * Quantize-and-append on CPU: the twin of kvquant.formats.quantize for the integer formats along
- * the token axis (int8 symmetric; int4 / int3 / int2 with a zero point), writing codes, scales and
- * zero points straight into the store's buffers. Bit-exact with the torch spec: min / max / |max|
- * per group in fp32, scale and zero point rounded to their storage dtype in the directed way the
- * spec uses (zero point down, scale up), codes by round-half-even of (x - zero) / scale.
- */
-
-/* fp32 -> fp16 / bf16 bits rounded to nearest even, then one step toward `direction` when that
- * went the wrong way (exactly formats.round_to_dtype). dtype 1: fp16, 2: bf16. */
-static uint16_t round_half(float x, int dtype, int direction) {
-    uint16_t y;
-    float back;
-    if (dtype == 1) {
-        const _Float16 hv = (_Float16)x;
-        memcpy(&y, &hv, sizeof(y));
-        back = (float)hv;
-    } else {
-        uint32_t u;
-        memcpy(&u, &x, sizeof(u));
-        y = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-        const uint32_t w = (uint32_t)y << 16;
-        memcpy(&back, &w, sizeof(back));
-    }
-    const int wrong = direction > 0 ? back < x : back > x;
-    if (!wrong) return y;
-    /* fp16 and bf16 both keep the sign in bit 15: one step is +-1 on the magnitude bits */
-    if ((y & 0x7FFF) == 0) return direction > 0 ? 0x0001 : 0x8001; /* from +-0: smallest subnormal */
-    const int positive = !(y & 0x8000);
-    return (positive == (direction > 0)) ? (uint16_t)(y + 1) : (uint16_t)(y - 1);
-}
-
-static float half_to_float(uint16_t y, int dtype) {
-    if (dtype == 1) {
-        _Float16 hv;
-        memcpy(&hv, &y, sizeof(hv));
-        return (float)hv;
-    }
-    const uint32_t w = (uint32_t)y << 16;
-    float f;
-    memcpy(&f, &w, sizeof(f));
-    return f;
-}
-
-/* Round v to the storage dtype in `direction`; store it at element i of p; return it as fp32. */
-static float store_scalar(void *p, int64_t i, int dtype, float v, int direction) {
-    if (dtype == 0) {
-        ((float *)p)[i] = v;
-        return v;
-    }
-    const uint16_t y = round_half(v, dtype, direction);
-    ((uint16_t *)p)[i] = y;
-    return half_to_float(y, dtype);
-}
-
-/* x [B, H, n, D] fp32 (element strides, D contiguous) -> codes / scale / zero at the store's
- * position (pointers already offset there; codes byte strides, scale/zero element strides).
- * bits 8 + is_signed: int8 symmetric; bits 4 / 3 / 2: asymmetric. Returns 0, 1 when an input or a
- * rounded scale / zero point is not finite (nothing useful written: the caller re-runs the torch
- * path, which raises its message), -1 when out of memory. */
-int kvq_quantize(const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb, int64_t xsh,
-                 int64_t xst, uint8_t *codes, int64_t csb, int64_t csh, int64_t cst, void *scale,
-                 void *zero, int64_t ssb, int64_t ssh, int64_t sst, int scale_dtype, int bits,
-                 int is_signed, int n_groups) {
-    const int64_t gs = D / n_groups;
-    const float qmax = bits == 8 ? 127.0f : (float)((1 << bits) - 1);
-    uint8_t *q = malloc((size_t)D);
-    if (!q) return -1;
-    int bad = 0;
-    for (int64_t b = 0; b < B && !bad; b++)
-        for (int64_t h = 0; h < H && !bad; h++)
-            for (int64_t t = 0; t < n && !bad; t++) {
-                const float *row = x + b * xsb + h * xsh + t * xst;
-                const int64_t si = b * ssb + h * ssh + t * sst;
-                for (int64_t g = 0; g < n_groups; g++) {
-                    const float *xg = row + g * gs;
-                    uint8_t *qg = q + g * gs;
-                    if (is_signed) {
-                        float amax = 0.0f;
-                        for (int64_t d = 0; d < gs; d++) {
-                            if (!isfinite(xg[d])) bad = 1;
-                            const float a = fabsf(xg[d]);
-                            amax = a > amax ? a : amax;
-                        }
-                        float raw = amax / qmax;
-                        if (raw == 0.0f) raw = 1.0f;
-                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
-                        if (!isfinite(s)) bad = 1;
-                        for (int64_t d = 0; d < gs; d++) {
-                            float y = xg[d] / s;
-                            y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
-                            qg[d] = (uint8_t)(int8_t)nearbyintf(y);
-                        }
-                    } else {
-                        float mn = xg[0], mx = xg[0];
-                        for (int64_t d = 0; d < gs; d++) {
-                            if (!isfinite(xg[d])) bad = 1;
-                            mn = xg[d] < mn ? xg[d] : mn;
-                            mx = xg[d] > mx ? xg[d] : mx;
-                        }
-                        const float z = store_scalar(zero, si + g, scale_dtype, mn, -1);
-                        float raw = (mx - z) / qmax;
-                        if (raw == 0.0f) raw = 1.0f;
-                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
-                        if (!isfinite(s) || !isfinite(z)) bad = 1;
-                        for (int64_t d = 0; d < gs; d++) {
-                            float y = nearbyintf((xg[d] - z) / s);
-                            y = y < 0.0f ? 0.0f : (y > qmax ? qmax : y);
-                            qg[d] = (uint8_t)y;
-                        }
-                    }
-                }
-                uint8_t *c = codes + b * csb + h * csh + t * cst;
-                if (bits == 8) {
-                    memcpy(c, q, (size_t)D);
-                } else if (bits == 4) {
-                    const int64_t w = D / 2;
-                    for (int64_t j = 0; j < w; j++) c[j] = (uint8_t)(q[j] | (q[j + w] << 4));
-                } else if (bits == 2) {
-                    const int64_t w = D / 4;
-                    for (int64_t j = 0; j < w; j++)
-                        c[j] = (uint8_t)(q[j] | (q[j + w] << 2) | (q[j + 2 * w] << 4) | (q[j + 3 * w] << 6));
-                } else { /* 3: int2 plane of the low bits, then the high bits eight per byte */
-                    const int64_t w = D / 4, w1 = D / 8;
-                    for (int64_t j = 0; j < w; j++)
-                        c[j] = (uint8_t)((q[j] & 3) | ((q[j + w] & 3) << 2) | ((q[j + 2 * w] & 3) << 4) |
-                                         ((q[j + 3 * w] & 3) << 6));
-                    for (int64_t j = 0; j < w1; j++) {
-                        uint8_t byte = 0;
-                        for (int k = 0; k < 8; k++) byte |= (uint8_t)(((q[j + k * w1] >> 2) & 1) << k);
-                        c[w + j] = byte;
-                    }
-                }
-            }
-    free(q);
-    return bad;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * Trellis encoder: the native twin of kvquant.trellis.trellis_encode (same codes). The squared
- * errors are formed and summed in the twin's order (difference, square, add; fp32, nothing fused)
- * and ties go to the first index, as torch's min does.
- */
-#pragma STDC FP_CONTRACT OFF
-
-/* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
- * cost / next: [S] floats, back: [d * P] bytes; writes states[0..d) and returns the least error. */
-__attribute__((optimize("fp-contract=off"))) static float trellis_pass(
-    const float *restrict y, int64_t d, const float *restrict table, int k, int L, int64_t history,
-    float *restrict cost, float *restrict next, uint8_t *restrict back, int64_t *restrict states) {
-    const int S = 1 << L, K = 1 << k, P = S >> k, shift = L - k;
-    for (int s = 0; s < S; s++) {
-        const float e = y[0] - table[s];
-        const float sq = e * e;
-        cost[s] = (history >= 0 && (s >> k) != history) ? INFINITY : sq;
-    }
-    for (int64_t t = 1; t < d; t++) {
-        for (int p = 0; p < P; p++) { /* predecessors of the states p*K + b: p | j << shift */
-            float best = cost[p];
-            int bj = 0;
-            for (int j = 1; j < K; j++)
-                if (cost[j * P + p] < best) best = cost[j * P + p], bj = j;
-            back[t * P + p] = (uint8_t)bj;
-            for (int b = 0; b < K; b++) {
-                const float e = y[t] - table[p * K + b];
-                const float sq = e * e;
-                next[p * K + b] = best + sq;
-            }
-        }
-        float *tmp = cost;
-        cost = next;
-        next = tmp;
-    }
-    int64_t s = -1;
-    float least = INFINITY;
-    for (int i = 0; i < S; i++) {
-        if (history >= 0 && (i & (P - 1)) != history) continue;
-        if (s < 0 || cost[i] < least) least = cost[i], s = i;
-    }
-    states[d - 1] = s;
-    for (int64_t t = d - 1; t > 0; t--) {
-        const int64_t p = s >> k;
-        s = p | ((int64_t)back[t * P + p] << shift);
-        states[t - 1] = s;
-    }
-    return least;
-}
-
-/* Codes [n, d] (uint8, k bits each) for y [n, d] (contiguous fp32) with the 2**L-entry table:
- * below two_pass_from channels every history is tried, else two passes (see trellis.py).
- * Returns 0, or -1 when out of memory. */
-int kvq_trellis_encode(const float *y, int64_t n, int64_t d, const float *table, int k, int L,
-                       int64_t two_pass_from, uint8_t *codes, int n_threads) {
-    const int S = 1 << L, P = S >> k;
-    int failed = 0;
-#pragma omp parallel num_threads(n_threads)
-    {
-        float *cost = malloc(sizeof(float) * 2 * (size_t)S);
-        uint8_t *back = malloc((size_t)(d * P));
-        int64_t *states = malloc(sizeof(int64_t) * 2 * (size_t)d);
-        float *rolled = malloc(sizeof(float) * (size_t)d);
-        const int ok = cost && back && states && rolled;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        int64_t *best_states = ok ? states + d : NULL;
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) {
-            if (!ok) continue;
-            const float *yi = y + i * d;
-            if (d < two_pass_from) {
-                float least = INFINITY;
-                for (int64_t h = 0; h < P; h++) {
-                    const float e = trellis_pass(yi, d, table, k, L, h, cost, cost + S, back, states);
-                    if (h == 0 || e < least) {
-                        least = e;
-                        memcpy(best_states, states, sizeof(int64_t) * (size_t)d);
-                    }
-                }
-            } else {
-                const int64_t r = d / 2; /* rolled[t] = y[(t - r) mod d]: channel d-1 at r-1 */
-                for (int64_t t = 0; t < d; t++) rolled[t] = yi[(t - r + d) % d];
-                trellis_pass(rolled, d, table, k, L, -1, cost, cost + S, back, states);
-                const int64_t seam = states[r - 1] & (P - 1);
-                trellis_pass(yi, d, table, k, L, seam, cost, cost + S, back, best_states);
-            }
-            for (int64_t t = 0; t < d; t++) codes[i * d + t] = (uint8_t)(best_states[t] & ((1 << k) - 1));
-        }
-        free(cost);
-        free(back);
-        free(states);
-        free(rolled);
-    }
-    return failed ? -1 : 0;
 }

@@ -160,6 +160,7 @@ class Codebook(FormatSpec):
     kind = "codebook"
     packed = True
     token_axis_only = True
+    scale_search = CODEBOOK_SCALE_GRID
 
     def lut(self):
         return _lut(self)
@@ -190,7 +191,7 @@ class Codebook(FormatSpec):
         fit_max = torch.where(
             amax == 0, torch.ones_like(amax), amax / self.qmax
         )  # largest |x| on the top level
-        candidates = [rms * factor for factor in CODEBOOK_SCALE_GRID] + [fit_max]
+        candidates = [rms * factor for factor in self.scale_search] + [fit_max]
         best_q = best_s = best_err = None
         for raw in candidates:
             s = round_to_dtype(raw, scale_dtype, +1)
@@ -246,8 +247,12 @@ class Trellis(FormatSpec):
         return trellis_decode(codes, self.bits)
 
     def triton_read(self):
-        m = self.state_bits // self.bits
-        return TritonRead(self.bits, lut=2, state_codes=m, exact_f16=False, table=trellis_table(self.bits))
+        return TritonRead(
+            self.bits, lut=2, state_codes=self.state_codes, exact_f16=False, table=self.state_table()
+        )
+
+    def state_table(self):
+        return trellis_table(self.bits)
 
     def element_bound(self, xf, s):
         self.check_bounded()

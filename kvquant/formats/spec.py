@@ -154,6 +154,7 @@ class FormatSpec:
     signed: ClassVar[bool] = False  # codes are signed integers
     elementwise: ClassVar[bool] = True  # a code decodes to its level alone (trellis: with neighbours)
     state_bits: ClassVar[int | None] = None  # trellis state bits L: codes searched jointly
+    scale_search: ClassVar[tuple[float, ...] | None] = None  # multiples of the RMS tried as scales
 
     # ------------------------------------------------------------------------------------ layout
 
@@ -215,6 +216,16 @@ class FormatSpec:
     def lut(self) -> torch.Tensor | None:
         """fp32 table code -> level where a kernel needs one (fp8: 256 entries, codebooks: levels
         padded to 16); None where the code is the level."""
+        return None
+
+    @property
+    def state_codes(self) -> int:
+        """Codes that form one state, the current one and those before it (trellis: ``state_bits /
+        bits``, read circularly over the head); 0 where a code decodes alone."""
+        return 0 if self.state_bits is None else self.state_bits // self.bits
+
+    def state_table(self) -> torch.Tensor | None:
+        """fp32 table state -> level (``[2**state_bits]``) of a trellis format; None elsewhere."""
         return None
 
     def triton_constants(self) -> tuple[int, int, float, int, int] | None:

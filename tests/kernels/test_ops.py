@@ -52,13 +52,13 @@ def _close(got, ref, rel=1e-4):
 def test_backend_for_names_the_expected_backend():
     c = "cpu" if HAS_C else "chunked"
     assert ops.backend_for("decode_attention", fmt="int4", head_dim=64) == c
-    assert ops.backend_for("decode_attention", fmt="tcq2", head_dim=64) == "chunked"
+    assert ops.backend_for("decode_attention", fmt="tcq2", head_dim=64) == c
     assert ops.backend_for("decode_attention", fmt="none", head_dim=64) == "chunked"
-    assert ops.backend_for("decode_attention", k_fmt="int4", v_fmt="tcq3", head_dim=64) == "chunked"
+    assert ops.backend_for("decode_attention", k_fmt="int4", v_fmt="tcq3", head_dim=64) == c
     assert ops.backend_for("decode_attention", fmt="int4", head_dim=1024) == "chunked"  # C: up to 512
     assert ops.backend_for("quantize_append", fmt="int4", head_dim=64) == ("cpu" if HAS_C else "reference")
     assert ops.backend_for("quantize_append", fmt="int4", head_dim=64, axis="channel") == "reference"
-    assert ops.backend_for("quantize_append", fmt="nuq4", head_dim=64) == "reference"
+    assert ops.backend_for("quantize_append", fmt="nuq4", head_dim=64) == ("cpu" if HAS_C else "reference")
     assert ops.backend_for("encode", fmt="tcq2", head_dim=64) == ("cpu" if HAS_C else "reference")
     assert ops.backend_for("encode", fmt="nuq2", head_dim=64) == "reference"
     pytest.importorskip("triton")

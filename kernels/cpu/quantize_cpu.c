@@ -1,0 +1,482 @@
+/* Quantize-and-append on CPU, and the trellis search: the twins of kvquant.formats.quantize for
+ * the integer formats, the codebooks (nuq*) and fp8 along the token axis, writing codes, scales and
+ * zero points straight into the store's buffers, and of kvquant.formats.trellis.trellis_encode.
+ *
+ * Built together with decode_cpu.c into one library (kernels/cpu/build.py); no Python or torch
+ * headers, called through ctypes with raw pointers and element strides.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvq_common.h"
+
+/* ------------------------------------------------------------------------------------------------
+ * The integer formats along the token axis (int8 symmetric; int4 / int3 / int2 with a zero point), writing codes, scales and
+ * zero points straight into the store's buffers. Bit-exact with the torch spec: min / max / |max|
+ * per group in fp32, scale and zero point rounded to their storage dtype in the directed way the
+ * spec uses (zero point down, scale up), codes by round-half-even of (x - zero) / scale.
+ */
+
+/* fp32 -> fp16 / bf16 bits rounded to nearest even, then one step toward `direction` when that
+ * went the wrong way (exactly formats.round_to_dtype). dtype 1: fp16, 2: bf16. */
+static uint16_t round_half(float x, int dtype, int direction) {
+    uint16_t y;
+    float back;
+    if (dtype == 1) {
+        const _Float16 hv = (_Float16)x;
+        memcpy(&y, &hv, sizeof(y));
+        back = (float)hv;
+    } else {
+        uint32_t u;
+        memcpy(&u, &x, sizeof(u));
+        y = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        const uint32_t w = (uint32_t)y << 16;
+        memcpy(&back, &w, sizeof(back));
+    }
+    const int wrong = direction > 0 ? back < x : back > x;
+    if (!wrong) return y;
+    /* fp16 and bf16 both keep the sign in bit 15: one step is +-1 on the magnitude bits */
+    if ((y & 0x7FFF) == 0) return direction > 0 ? 0x0001 : 0x8001; /* from +-0: smallest subnormal */
+    const int positive = !(y & 0x8000);
+    return (positive == (direction > 0)) ? (uint16_t)(y + 1) : (uint16_t)(y - 1);
+}
+
+static float half_to_float(uint16_t y, int dtype) {
+    if (dtype == 1) {
+        _Float16 hv;
+        memcpy(&hv, &y, sizeof(hv));
+        return (float)hv;
+    }
+    const uint32_t w = (uint32_t)y << 16;
+    float f;
+    memcpy(&f, &w, sizeof(f));
+    return f;
+}
+
+/* Every finite float8 e4m3fn value ascending (-0 merged into +0) and its byte: the grid of
+ * formats.rounding._fp8_grid. */
+static float e4m3_grid[253];
+static uint8_t e4m3_bytes[253];
+static int e4m3_n;
+
+static void e4m3_init(void) {
+    if (e4m3_n) return;
+    int n = 0;
+    for (int i = 0xFE; i >= 0x81; i--) /* negatives, most negative first (0xFF is NaN) */
+        if (i != 0xFF) e4m3_grid[n] = e4m3_to_f32((uint8_t)i), e4m3_bytes[n++] = (uint8_t)i;
+    for (int i = 0x00; i <= 0x7E; i++) e4m3_grid[n] = e4m3_to_f32((uint8_t)i), e4m3_bytes[n++] = (uint8_t)i;
+    e4m3_n = n; /* (written once, the same bytes by any thread) */
+}
+
+/* fp32 -> e4m3fn byte rounded up (direction > 0: the least grid value >= x) or down (the greatest
+ * <= x); the NaN byte 0x7F beyond the grid or for NaN (exactly formats.round_to_dtype). */
+static uint8_t round_e4m3(float x, int direction) {
+    e4m3_init();
+    if (isnan(x)) return 0x7F;
+    int lo = 0, hi = e4m3_n; /* first index with grid >= x (up) or > x (down) */
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (direction > 0 ? e4m3_grid[mid] < x : e4m3_grid[mid] <= x) lo = mid + 1;
+        else hi = mid;
+    }
+    const int i = direction > 0 ? lo : lo - 1;
+    return i < 0 || i >= e4m3_n ? 0x7F : e4m3_bytes[i];
+}
+
+/* Round v to the storage dtype in `direction` (3: float8 e4m3fn); store it at element i of p;
+ * return it as fp32. */
+static float store_scalar(void *p, int64_t i, int dtype, float v, int direction) {
+    if (dtype == 0) {
+        ((float *)p)[i] = v;
+        return v;
+    }
+    if (dtype == 3) {
+        const uint8_t y = round_e4m3(v, direction);
+        ((uint8_t *)p)[i] = y;
+        return e4m3_to_f32(y);
+    }
+    const uint16_t y = round_half(v, dtype, direction);
+    ((uint16_t *)p)[i] = y;
+    return half_to_float(y, dtype);
+}
+
+/* One head vector's codes q[D] (one per byte) -> its stored bytes c (formats/packing.py: planar). */
+static void pack_row(const uint8_t *restrict q, int bits, int64_t D, uint8_t *restrict c) {
+    if (bits == 8) {
+        memcpy(c, q, (size_t)D);
+    } else if (bits == 4) {
+        const int64_t w = D / 2;
+        for (int64_t j = 0; j < w; j++) c[j] = (uint8_t)(q[j] | (q[j + w] << 4));
+    } else if (bits == 2) {
+        const int64_t w = D / 4;
+        for (int64_t j = 0; j < w; j++)
+            c[j] = (uint8_t)(q[j] | (q[j + w] << 2) | (q[j + 2 * w] << 4) | (q[j + 3 * w] << 6));
+    } else { /* 3: int2 plane of the low bits, then the high bits eight per byte */
+        const int64_t w = D / 4, w1 = D / 8;
+        for (int64_t j = 0; j < w; j++)
+            c[j] = (uint8_t)((q[j] & 3) | ((q[j + w] & 3) << 2) | ((q[j + 2 * w] & 3) << 4) | ((q[j + 3 * w] & 3) << 6));
+        for (int64_t j = 0; j < w1; j++) {
+            uint8_t byte = 0;
+            for (int k = 0; k < 8; k++) byte |= (uint8_t)(((q[j + k * w1] >> 2) & 1) << k);
+            c[w + j] = byte;
+        }
+    }
+}
+
+/* x [B, H, n, D] fp32 (element strides, D contiguous) -> codes / scale / zero at the store's
+ * position (pointers already offset there; codes byte strides, scale/zero element strides).
+ * bits 8 + is_signed: int8 symmetric; bits 4 / 3 / 2: asymmetric. Returns 0, 1 when an input or a
+ * rounded scale / zero point is not finite (nothing useful written: the caller re-runs the torch
+ * path, which raises its message), -1 when out of memory. */
+int kvq_quantize(const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb, int64_t xsh,
+                 int64_t xst, uint8_t *codes, int64_t csb, int64_t csh, int64_t cst, void *scale,
+                 void *zero, int64_t ssb, int64_t ssh, int64_t sst, int scale_dtype, int bits,
+                 int is_signed, int n_groups) {
+    const int64_t gs = D / n_groups;
+    const float qmax = bits == 8 ? 127.0f : (float)((1 << bits) - 1);
+    uint8_t *q = malloc((size_t)D);
+    if (!q) return -1;
+    int bad = 0;
+    for (int64_t b = 0; b < B && !bad; b++)
+        for (int64_t h = 0; h < H && !bad; h++)
+            for (int64_t t = 0; t < n && !bad; t++) {
+                const float *row = x + b * xsb + h * xsh + t * xst;
+                const int64_t si = b * ssb + h * ssh + t * sst;
+                for (int64_t g = 0; g < n_groups; g++) {
+                    const float *xg = row + g * gs;
+                    uint8_t *qg = q + g * gs;
+                    if (is_signed) {
+                        float amax = 0.0f;
+                        for (int64_t d = 0; d < gs; d++) {
+                            if (!isfinite(xg[d])) bad = 1;
+                            const float a = fabsf(xg[d]);
+                            amax = a > amax ? a : amax;
+                        }
+                        float raw = amax / qmax;
+                        if (raw == 0.0f) raw = 1.0f;
+                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                        if (!isfinite(s)) bad = 1;
+                        for (int64_t d = 0; d < gs; d++) {
+                            float y = xg[d] / s;
+                            y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
+                            qg[d] = (uint8_t)(int8_t)nearbyintf(y);
+                        }
+                    } else {
+                        float mn = xg[0], mx = xg[0];
+                        for (int64_t d = 0; d < gs; d++) {
+                            if (!isfinite(xg[d])) bad = 1;
+                            mn = xg[d] < mn ? xg[d] : mn;
+                            mx = xg[d] > mx ? xg[d] : mx;
+                        }
+                        const float z = store_scalar(zero, si + g, scale_dtype, mn, -1);
+                        float raw = (mx - z) / qmax;
+                        if (raw == 0.0f) raw = 1.0f;
+                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                        if (!isfinite(s) || !isfinite(z)) bad = 1;
+                        for (int64_t d = 0; d < gs; d++) {
+                            float y = nearbyintf((xg[d] - z) / s);
+                            y = y < 0.0f ? 0.0f : (y > qmax ? qmax : y);
+                            qg[d] = (uint8_t)y;
+                        }
+                    }
+                }
+                pack_row(q, bits, D, codes + b * csb + h * csh + t * cst);
+            }
+    free(q);
+    return bad;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Codebooks (nuq*) and fp8 along the token axis: Codebook.encode_groups and Fp8 (_AbsMaxScaled)
+ * of kvquant/formats/families.py, step for step in fp32, nothing fused. The sums of squares run
+ * in torch's order for a contiguous inner reduction (four accumulators of eight lanes, chunk c into
+ * accumulator c % 4, a tail of chunks into the first; the accumulators then the lanes added in
+ * order). Square roots are correctly rounded here; torch's vectorized sqrt is not always (about
+ * 0.6% of fp32 inputs land one ulp away), so a scale can differ by a step of its dtype, rarely,
+ * with the codes its own scale picks: the tests hold those groups to equal squared error.
+ */
+
+/* sum of a[0..n) in torch's inner-reduction order (see above). */
+__attribute__((optimize("fp-contract=off"))) static float torch_sum(const float *a, int64_t n) {
+    float acc[4][8] = {{0}};
+    const int64_t chunks = n / 8, full = chunks / 4 * 4;
+    for (int64_t c = 0; c < chunks; c++) {
+        float *ac = acc[c < full ? c % 4 : 0];
+        for (int i = 0; i < 8; i++) ac[i] += a[8 * c + i];
+    }
+    float lanes[8], s = 0.0f;
+    for (int i = 0; i < 8; i++) lanes[i] = ((acc[0][i] + acc[1][i]) + acc[2][i]) + acc[3][i];
+    for (int i = 0; i < 8; i++) s += lanes[i];
+    for (int64_t i = 8 * chunks; i < n; i++) s += a[i]; /* (group sizes are multiples of 8) */
+    return s;
+}
+
+/* Nearest level by the midpoints, as torch.bucketize(v, edges) (right=False): the number of edges
+ * strictly below v (a value on an edge takes the lower level); NaN (0 / 0: an all-zero group's
+ * last pick) after every edge, as torch places it. */
+static inline uint8_t bucket(float v, const float *edges, int n_edges) {
+    if (isnan(v)) return (uint8_t)n_edges;
+    int q = 0;
+    for (int i = 0; i < n_edges; i++) q += edges[i] < v;
+    return (uint8_t)q;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* Codes of xg[gs] for scale s into qg; returns sum((level * s - x)^2) in torch's order. levels:
+ * padded to 16 entries. 16 elements per step where the group allows (the same fp32 operations). */
+__attribute__((optimize("fp-contract=off"))) static float codebook_try(
+    const float *xg, int64_t gs, float s, const float *levels, const float *edges, int n_edges,
+    uint8_t *qg, float *tmp) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    const __m512 vs = _mm512_set1_ps(s), lut = _mm512_loadu_ps(levels);
+    for (; d + 16 <= gs; d += 16) {
+        const __m512 x = _mm512_loadu_ps(xg + d), y = _mm512_div_ps(x, vs);
+        __m512i q = _mm512_setzero_si512();
+        for (int i = 0; i < n_edges; i++) /* edges strictly below y */
+            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(_mm512_set1_ps(edges[i]), y, _CMP_LT_OQ), q,
+                                      _mm512_set1_epi32(1));
+        q = _mm512_mask_mov_epi32(q, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(n_edges));
+        _mm_storeu_si128((__m128i *)(qg + d), _mm512_cvtepi32_epi8(q));
+        const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_permutexvar_ps(q, lut), vs), x);
+        _mm512_storeu_ps(tmp + d, _mm512_mul_ps(e, e));
+    }
+#endif
+    for (; d < gs; d++) {
+        qg[d] = bucket(xg[d] / s, edges, n_edges);
+        const float e = levels[qg[d]] * s - xg[d];
+        tmp[d] = e * e;
+    }
+    return torch_sum(tmp, gs);
+}
+
+/* x [B, H, n, D] -> codes / scale of a codebook format (levels [16]: the 2^bits ascending fp32
+ * levels, padded), token axis.
+ * grid [n_grid]: the multiples of the group's RMS to try (CODEBOOK_SCALE_GRID as fp32); qmax: the
+ * top level as the spec holds it. Returns 0, 1 when an input or a stored scale is not finite (the
+ * caller re-runs the torch path, which raises), -1 when out of memory. */
+__attribute__((optimize("fp-contract=off"))) int kvq_quantize_codebook(
+    const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb, int64_t xsh, int64_t xst,
+    uint8_t *codes, int64_t csb, int64_t csh, int64_t cst, void *scale, int64_t ssb, int64_t ssh,
+    int64_t sst, int scale_dtype, int bits, int n_groups, const float *levels, const float *grid,
+    int n_grid, float qmax, int n_threads) {
+    const int64_t gs = D / n_groups;
+    const int n_edges = (1 << bits) - 1;
+    float edges[15];
+    for (int i = 0; i < n_edges; i++) edges[i] = (levels[i + 1] + levels[i]) / 2.0f;
+    int bad = 0, failed = 0;
+#pragma omp parallel num_threads(n_threads < 1 ? 1 : n_threads) reduction(| : bad, failed)
+    {
+        uint8_t *q = malloc((size_t)D), *cand = malloc((size_t)gs);
+        float *tmp = malloc(sizeof(float) * (size_t)gs);
+        failed = !q || !cand || !tmp;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < B * H * n; r++) { /* one head vector (row) per step, rows split among threads */
+            const int64_t b = r / (H * n), h = r / n % H, t = r % n;
+            if (failed || bad) continue;
+            const float *row = x + b * xsb + h * xsh + t * xst;
+            const int64_t si = b * ssb + h * ssh + t * sst;
+            for (int64_t g = 0; g < n_groups; g++) {
+                const float *xg = row + g * gs;
+                uint8_t *qg = q + g * gs;
+                float amax = 0.0f;
+                for (int64_t d = 0; d < gs; d++) {
+                    if (!isfinite(xg[d])) bad = 1;
+                    const float a = fabsf(xg[d]);
+                    amax = a > amax ? a : amax;
+                    tmp[d] = xg[d] * xg[d];
+                }
+                const float sumsq = torch_sum(tmp, gs);
+                float rms = sqrtf(sumsq / (float)gs);
+                if (rms == 0.0f) rms = 1.0f;
+                const float fit_max = amax == 0.0f ? 1.0f : amax / qmax;
+                float best_s = 0.0f, best_err = 0.0f;
+                for (int c = 0; c <= n_grid; c++) { /* the RMS multiples, then fit_max */
+                    const float raw = c < n_grid ? rms * grid[c] : fit_max;
+                    const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                    const float err = codebook_try(xg, gs, s, levels, edges, n_edges, cand, tmp);
+                    if (c == 0 || err < best_err) {
+                        best_s = s;
+                        memcpy(qg, cand, (size_t)gs);
+                    }
+                    /* torch.minimum: NaN propagates */
+                    best_err = c == 0 ? err : (isnan(err) || isnan(best_err) ? NAN : (err < best_err ? err : best_err));
+                }
+                /* stretch to the input's norm, round up again, re-pick the levels */
+                for (int64_t d = 0; d < gs; d++) {
+                    const float v = levels[qg[d]] * best_s;
+                    tmp[d] = v * v;
+                }
+                const float norm_q = sqrtf(torch_sum(tmp, gs));
+                const float norm_x = sqrtf(sumsq);
+                const float raw = norm_q > 0.0f ? best_s * norm_x / norm_q : rms;
+                const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                codebook_try(xg, gs, s, levels, edges, n_edges, qg, tmp);
+                if (amax == 0.0f) store_scalar(scale, si + g, scale_dtype, 0.0f, +1); /* exact zeros */
+                else if (!isfinite(s)) bad = 1;
+            }
+            pack_row(q, bits, D, codes + b * csb + h * csh + t * cst);
+        }
+        free(q), free(cand), free(tmp);
+    }
+    return failed ? -1 : bad;
+}
+
+/* fp32 (finite, |v| within the format's range) -> float8 byte, round to nearest even like torch's
+ * cast: m mantissa bits, exponent bias `bias` (e4m3fn: 3, 7; e5m2: 2, 15); min_normal = 2^(1 - bias),
+ * sub_mul = 2^(bias - 1 + m). Branch-free (the loop over a group vectorizes). */
+static inline uint8_t f32_to_fp8(float v, int m, int bias, float min_normal, float sub_mul) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof(u));
+    const uint32_t sign = (u >> 24) & 0x80, ua = u & 0x7FFFFFFFu;
+    /* normal: the mantissa rounded to m bits (ties to even) with its carry into the exponent, rebiased */
+    const uint32_t r = (ua + (1u << (22 - m)) - 1 + ((ua >> (23 - m)) & 1)) >> (23 - m);
+    const uint32_t normal = r - ((uint32_t)(127 - bias) << m);
+    /* subnormal: a multiple of 2^(1 - bias - m), nearest even (the top one is the smallest normal) */
+    const uint32_t sub = (uint32_t)nearbyintf(fabsf(v) * sub_mul);
+    return (uint8_t)(sign | (fabsf(v) < min_normal ? sub : normal));
+}
+
+/* x [B, H, n, D] -> fp8 codes / scale (token axis): s = max|x| / qmax (1 for an all-zero group)
+ * rounded up to the scale dtype, code = fp8(clamp(x / s, -qmax, qmax)). Returns as above. */
+int kvq_quantize_fp8(const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb, int64_t xsh,
+                     int64_t xst, uint8_t *codes, int64_t csb, int64_t csh, int64_t cst, void *scale,
+                     int64_t ssb, int64_t ssh, int64_t sst, int scale_dtype, int n_groups, int mant,
+                     int bias, float qmax) {
+    const int64_t gs = D / n_groups;
+    const float min_normal = ldexpf(1.0f, 1 - bias), sub_mul = ldexpf(1.0f, bias - 1 + mant);
+    int bad = 0;
+    for (int64_t b = 0; b < B && !bad; b++)
+        for (int64_t h = 0; h < H && !bad; h++)
+            for (int64_t t = 0; t < n && !bad; t++) {
+                const float *row = x + b * xsb + h * xsh + t * xst;
+                uint8_t *c = codes + b * csb + h * csh + t * cst;
+                const int64_t si = b * ssb + h * ssh + t * sst;
+                for (int64_t g = 0; g < n_groups && !bad; g++) {
+                    const float *xg = row + g * gs;
+                    float amax = 0.0f;
+                    for (int64_t d = 0; d < gs; d++) {
+                        if (!isfinite(xg[d])) bad = 1;
+                        const float a = fabsf(xg[d]);
+                        amax = a > amax ? a : amax;
+                    }
+                    float raw = amax / qmax;
+                    if (raw == 0.0f) raw = 1.0f;
+                    const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
+                    if (!isfinite(s) || bad) {
+                        bad = 1;
+                        break;
+                    }
+                    for (int64_t d = 0; d < gs; d++) {
+                        float y = xg[d] / s;
+                        y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
+                        c[g * gs + d] = f32_to_fp8(y, mant, bias, min_normal, sub_mul);
+                    }
+                }
+            }
+    return bad;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Trellis encoder: the native twin of kvquant.trellis.trellis_encode (same codes). The squared
+ * errors are formed and summed in the twin's order (difference, square, add; fp32, nothing fused)
+ * and ties go to the first index, as torch's min does.
+ */
+
+
+/* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
+ * cost / next: [S] floats, back: [d * P] bytes; writes states[0..d) and returns the least error. */
+__attribute__((optimize("fp-contract=off"))) static float trellis_pass(
+    const float *restrict y, int64_t d, const float *restrict table, int k, int L, int64_t history,
+    float *restrict cost, float *restrict next, uint8_t *restrict back, int64_t *restrict states) {
+    const int S = 1 << L, K = 1 << k, P = S >> k, shift = L - k;
+    for (int s = 0; s < S; s++) {
+        const float e = y[0] - table[s];
+        const float sq = e * e;
+        cost[s] = (history >= 0 && (s >> k) != history) ? INFINITY : sq;
+    }
+    for (int64_t t = 1; t < d; t++) {
+        for (int p = 0; p < P; p++) { /* predecessors of the states p*K + b: p | j << shift */
+            float best = cost[p];
+            int bj = 0;
+            for (int j = 1; j < K; j++)
+                if (cost[j * P + p] < best) best = cost[j * P + p], bj = j;
+            back[t * P + p] = (uint8_t)bj;
+            for (int b = 0; b < K; b++) {
+                const float e = y[t] - table[p * K + b];
+                const float sq = e * e;
+                next[p * K + b] = best + sq;
+            }
+        }
+        float *tmp = cost;
+        cost = next;
+        next = tmp;
+    }
+    int64_t s = -1;
+    float least = INFINITY;
+    for (int i = 0; i < S; i++) {
+        if (history >= 0 && (i & (P - 1)) != history) continue;
+        if (s < 0 || cost[i] < least) least = cost[i], s = i;
+    }
+    states[d - 1] = s;
+    for (int64_t t = d - 1; t > 0; t--) {
+        const int64_t p = s >> k;
+        s = p | ((int64_t)back[t * P + p] << shift);
+        states[t - 1] = s;
+    }
+    return least;
+}
+
+/* Codes [n, d] (uint8, k bits each) for y [n, d] (contiguous fp32) with the 2**L-entry table:
+ * below two_pass_from channels every history is tried, else two passes (see trellis.py).
+ * Returns 0, or -1 when out of memory. */
+int kvq_trellis_encode(const float *y, int64_t n, int64_t d, const float *table, int k, int L,
+                       int64_t two_pass_from, uint8_t *codes, int n_threads) {
+    const int S = 1 << L, P = S >> k;
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads)
+    {
+        float *cost = malloc(sizeof(float) * 2 * (size_t)S);
+        uint8_t *back = malloc((size_t)(d * P));
+        int64_t *states = malloc(sizeof(int64_t) * 2 * (size_t)d);
+        float *rolled = malloc(sizeof(float) * (size_t)d);
+        const int ok = cost && back && states && rolled;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t *best_states = ok ? states + d : NULL;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            if (!ok) continue;
+            const float *yi = y + i * d;
+            if (d < two_pass_from) {
+                float least = INFINITY;
+                for (int64_t h = 0; h < P; h++) {
+                    const float e = trellis_pass(yi, d, table, k, L, h, cost, cost + S, back, states);
+                    if (h == 0 || e < least) {
+                        least = e;
+                        memcpy(best_states, states, sizeof(int64_t) * (size_t)d);
+                    }
+                }
+            } else {
+                const int64_t r = d / 2; /* rolled[t] = y[(t - r) mod d]: channel d-1 at r-1 */
+                for (int64_t t = 0; t < d; t++) rolled[t] = yi[(t - r + d) % d];
+                trellis_pass(rolled, d, table, k, L, -1, cost, cost + S, back, states);
+                const int64_t seam = states[r - 1] & (P - 1);
+                trellis_pass(yi, d, table, k, L, seam, cost, cost + S, back, best_states);
+            }
+            for (int64_t t = 0; t < d; t++) codes[i * d + t] = (uint8_t)(best_states[t] & ((1 << k) - 1));
+        }
+        free(cost);
+        free(back);
+        free(states);
+        free(rolled);
+    }
+    return failed ? -1 : 0;
+}
