@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import fields as record_fields
 
 import torch
 
@@ -43,9 +44,8 @@ def backends() -> tuple[Backend, ...]:
     return (triton, cpu, chunked, reference)
 
 
-def _why_not(backend: Backend, op: str, call, forced: bool) -> str | None:
-    """None when ``backend`` runs ``call`` of ``op``, else why not (support first, availability last:
-    it may build the C library)."""
+def _unsupported(backend: Backend, op: str, call, forced: bool) -> str | None:
+    """None when ``backend`` supports ``call`` of ``op`` (device and capability), else why not."""
     on_device = call.device in backend.devices
     if not on_device and forced and backend.interpretable:
         from kvquant.kernels import use_triton
@@ -58,21 +58,35 @@ def _why_not(backend: Backend, op: str, call, forced: bool) -> str | None:
         "decode_attention": backend.supports_decode,
         "encode": backend.supports_encode,
     }[op]
-    return check(call) or backend.available()
+    return check(call)
 
 
-def _pick(op: str, call, backend: str | None) -> Iterator[Backend]:
-    """The backends to try for ``call`` in order, checked lazily (the forced one alone)."""
+_RECORDS = {"quantize_append": QuantizeCall, "decode_attention": DecodeCall, "encode": EncodeCall}
+
+
+@functools.lru_cache(maxsize=1024)
+def _supporting(op: str, fields: tuple) -> tuple[Backend, ...]:
+    """The backends that support the call of ``op`` described by ``fields`` (its record's fields, in
+    order), in order: a pure function of the description, memoised, so a decode step pays one
+    dictionary lookup per op instead of building a record and asking every backend."""
+    call = _RECORDS[op](*fields)
+    return tuple(b for b in backends() if _unsupported(b, op, call, forced=False) is None)
+
+
+def _pick(op: str, fields: tuple, backend: str | None) -> Iterator[Backend]:
+    """The backends to try for a call in order, checked lazily (the forced one alone). Availability
+    (e.g. the C library built) is asked at every call, after support: it may build the library."""
     if backend is not None:
+        call = _RECORDS[op](*fields)
         names = [b.name for b in backends()]
         if backend not in names:
             raise ValueError(f"backend: unknown backend {backend!r}; allowed: {', '.join(names)}")
         (b,) = [b for b in backends() if b.name == backend]
-        reason = _why_not(b, op, call, forced=True)
+        reason = _unsupported(b, op, call, forced=True) or b.available()
         if reason is not None:
             raise ValueError(f"backend: {backend} cannot run this {op} ({reason})")
         return iter([b])
-    return (b for b in backends() if _why_not(b, op, call, forced=False) is None)
+    return (b for b in _supporting(op, fields) if b.available() is None)
 
 
 # --------------------------------------------------------------------------------------------- quantize
@@ -114,9 +128,7 @@ def quantize_append(
         raise ValueError(f"x: expected [B, H, n, D], got shape {tuple(x.shape)}")
     d = x.shape[-1]
     g = d if group_size is None else group_size
-    call = QuantizeCall(
-        fmt, d, x.device.type, g, axis, None if scale is None else scale.dtype, bool(static_scale)
-    )
+    call = (fmt, d, x.device.type, g, axis, None if scale is None else scale.dtype, bool(static_scale))
     kw = dict(fmt=fmt, group_size=group_size, axis=axis, static_scale=bool(static_scale))
     for b in _pick("quantize_append", call, backend):
         if b.quantize_append(x, codes, scale, zero, index, **kw):
@@ -171,7 +183,7 @@ def decode_attention(
         ``out = 0``, ``lse = -inf``).
     """
     fp = fp_k is not None and fp_k.shape[2] > 0
-    call = DecodeCall(
+    call = (
         k_fmt,
         v_fmt,
         q.shape[-1],
@@ -182,7 +194,7 @@ def decode_attention(
         None if k_scale is None else k_scale.dtype,
         None if v_scale is None else v_scale.dtype,
         fp,
-    )
+    )  # the fields of a DecodeCall
     b = next(_pick("decode_attention", call, backend))
     kw = dict(
         k_fmt=k_fmt,
@@ -219,8 +231,7 @@ def encode(y: torch.Tensor, fmt: str, *, backend: str | None = None) -> torch.Te
     """
     if y.dim() != 2:
         raise ValueError(f"y: expected [N, D], got shape {tuple(y.shape)}")
-    call = EncodeCall(fmt, y.shape[-1], y.device.type)
-    return next(_pick("encode", call, backend)).encode(y, fmt)
+    return next(_pick("encode", (fmt, y.shape[-1], y.device.type), backend)).encode(y, fmt)
 
 
 # --------------------------------------------------------------------------------------------- which
@@ -275,7 +286,7 @@ def backend_for(op_name: str, **call) -> str:
         )
     if call:
         raise ValueError(f"call: unknown fields for {op_name}: {', '.join(sorted(call))}")
-    return next(_pick(op_name, desc, None)).name
+    return next(_pick(op_name, tuple(getattr(desc, f.name) for f in record_fields(desc)), None)).name
 
 
 __all__ = [
