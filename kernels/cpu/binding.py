@@ -57,16 +57,16 @@ _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.fl
 _WRITTEN_SCALE_DTYPES = tuple(_SCALE_DTYPES)  # the quantize kernels round into each of these
 
 
-def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
-    """Describe one operand from token ``lo`` on: pointers into the store's own buffers (no slice,
-    no conversion; the kernel reads fp16 / bf16 scales itself). Tensors used go to ``keep``."""
+def _operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
+    """Describe one operand: pointers into the store's own buffers (no slice, no conversion; the
+    kernel reads fp16 / bf16 scales itself). Tensors used go to ``keep``."""
     spec = format_spec(fmt)
     if codes.stride(-1) != 1:
         codes = codes.contiguous()
     keep.append(codes)
     sb, sh, st = _strides(codes)  # 1-byte codes: element strides are byte strides
     lut = spec.lut() if spec.elementwise else spec.state_table()
-    op = _Operand(codes.data_ptr() + lo * codes.stride(2), sb, sh, st)
+    op = _Operand(codes.data_ptr(), sb, sh, st)
     op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.signed), 1, 1
     op.state_codes = spec.state_codes
     op.lut = None if lut is None else lut.data_ptr()
@@ -74,10 +74,8 @@ def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
         return op
     static = scale.shape[0] == 1 and scale.shape[2] == 1 and scale.shape[3] == 1
     if axis == "channel" and not static:
-        row0 = lo // group
         op.channel_axis, op.group = 1, group
     else:
-        row0 = 0 if static else lo
         op.n_groups = scale.shape[-1]
     op.scale_dtype = _SCALE_DTYPES[scale.dtype]
     for name, t in (("scale", scale), ("zero", zero)):
@@ -87,10 +85,38 @@ def _operand(codes, scale, zero, fmt, group, axis, lo, keep) -> _Operand:
             t = t.contiguous()
         keep.append(t)
         sb, sh, st = _strides(t)
-        setattr(op, name, t.data_ptr() + row0 * t.stride(2) * t.element_size())
+        setattr(op, name, t.data_ptr())
         setattr(op, f"{name}_sb", sb)
         setattr(op, f"{name}_sh", sh)
         setattr(op, f"{name}_st", st)
+    return op
+
+
+_OPERANDS: dict[tuple, _Operand] = {}  # described operands by buffer address and layout (see below)
+_OPERANDS_MAX = 512
+
+
+def _in_place(t: torch.Tensor | None) -> bool:
+    """Whether :func:`_operand` points into ``t`` itself (no contiguous copy)."""
+    return t is None or t.stride(-1) == 1 or t.shape[-1] == 1
+
+
+def _cached_operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
+    """:func:`_operand` from token 0, memoised: a cache hands the kernel the same store buffers step
+    after step (they change only when the store grows, moves or is reordered). The struct is a pure
+    function of the key (format, and each buffer's address, shape, strides and dtype; the tables
+    are the format's own, built once), so an entry stays right even if a freed buffer's address is
+    reused by another of the same layout. Buffers that need a contiguous copy are not memoised."""
+    if not (_in_place(codes) and _in_place(scale) and _in_place(zero)):
+        return _operand(codes, scale, zero, fmt, group, axis, keep)
+    key = (fmt, group, axis) + tuple(
+        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (codes, scale, zero)
+    )
+    op = _OPERANDS.get(key)
+    if op is None:
+        if len(_OPERANDS) >= _OPERANDS_MAX:
+            _OPERANDS.clear()
+        op = _OPERANDS[key] = _operand(codes, scale, zero, fmt, group, axis, [])
     return op
 
 
@@ -174,14 +200,11 @@ def decode_attention_native(
             )
     if b == 0:
         return out, lse
-    if start.dtype != torch.int64:
-        start = start.to(torch.int64)
-    block = k_group if k_axis == "channel" else 1
-    lo = max(0, min(int(start.min()), end) // block * block)
-    keep: list = []
-    k_op = _operand(k_codes, k_scale, k_zero, k_fmt, k_group, k_axis, lo, keep)
-    v_op = _operand(v_codes, v_scale, v_zero, v_fmt, v_group, "token", lo, keep)
-    rel_start = (start - lo).contiguous()
+    if start.dtype != torch.int64 or not start.is_contiguous():
+        start = start.to(torch.int64).contiguous()
+    keep: list = []  # the kernel skips each row's tokens before start[b] itself
+    k_op = _cached_operand(k_codes, k_scale, k_zero, k_fmt, k_group, k_axis, keep)
+    v_op = _cached_operand(v_codes, v_scale, v_zero, v_fmt, v_group, "token", keep)
     n_fp, fk, fv, valid = 0, None, None, None
     if fp_k is not None and fp_k.shape[2] > 0:
         n_fp = fp_k.shape[2]
@@ -190,9 +213,9 @@ def decode_attention_native(
             valid = fp_valid.to(torch.uint8).contiguous()
             keep.append(valid)
     rc = lib.kvq_decode(
-        qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), rel_start.data_ptr(),
-        end - lo, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
-        _threads(b * hkv * (end - lo)) if threads is None else threads,
+        qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), start.data_ptr(),
+        end, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
+        _threads(b * hkv * end) if threads is None else threads,
         fk, fv, None if valid is None else valid.data_ptr(), n_fp,
     )  # fmt: skip
     if rc != 0:
