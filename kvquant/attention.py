@@ -76,8 +76,7 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
     """One query token over the view's tiers and full-precision tokens: ``[B, 1, Hq, D]``."""
     q = query[:, :, 0]  # [B, Hq, D]
     b = q.shape[0]
-    fp_k = torch.cat([view.dense_k, view.new_k], dim=2)  # [B, H_kv, n, D]: sinks, tail, the new token
-    fp_v = torch.cat([view.dense_v, view.new_v], dim=2)
+    fp_k, fp_v = view.fp_k, view.fp_v  # [B, H_kv, n, D]: sinks, tail, the new token
     valid = view.dense_valid  # [B, n] or None
     if valid is not None:
         new = torch.ones(b, view.new_k.shape[2], dtype=torch.bool, device=valid.device)

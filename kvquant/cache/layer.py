@@ -27,6 +27,14 @@ from kvquant.config import KVQuantConfig
 from kvquant.transforms import KeyTransform
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` concatenated on the token axis, always a copy of the cache's own buffers (the tail
+    shifts at the next append); the call's tokens (the last part) alone are used as they are."""
+    if parts[-1].shape[2] and not any(p.shape[2] for p in parts[:-1]):
+        return parts[-1]
+    return torch.cat(parts, 2)
+
+
 class QuantizedKVLayer(CacheLayerMixin):
     """Quantized cache layer of a full-attention layer (see the module docstring).
 
@@ -96,7 +104,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 TokenStore(cfg.recent_value_format, vg, "token", sdt),
                 limit=cfg.recent_length,
             )
-            self.recent.allocate(b, h, d, cfg.recent_length + 1, self.dtype, self.device)
+            self.recent.allocate(b, h, d, 2 * cfg.recent_length, self.dtype, self.device)
         self.tail.allocate(key_states, value_states)
         if self.sinks is not None:
             self.sinks.allocate(key_states, value_states)
@@ -261,12 +269,12 @@ class QuantizedKVLayer(CacheLayerMixin):
                 start = torch.clamp(first, min=p0) - tier.origin  # [B]
                 reads.append(QuantizedRead(*tier.operands(), p0, p1, tier.origin, start))
             lo = max(lo, p1)
-        tail_k, tail_v = (t.clone() for t in self.tail.read(begin))
-        dense_k, dense_v = [tail_k], [tail_v]
+        tail_k, tail_v = self.tail.read(begin)  # views: the one copy is the cat below
         with_sinks = sinks and begin < store_end
+        fp_k, fp_v = [tail_k, k], [tail_v, v]
         if with_sinks:
-            dense_k.insert(0, self.sinks.k.clone())
-            dense_v.insert(0, self.sinks.v.clone())
+            fp_k.insert(0, self.sinks.k)
+            fp_v.insert(0, self.sinks.v)
         all_valid = self.pads_max == 0 and begin == 0 and (not with_sinks or self.sinks.n <= store_end)
         valid = None
         if not all_valid:  # [B, n]: padding, and sinks outside the visible history, do not count
@@ -279,12 +287,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             seq_before=self.seq_len,
             hist_begin=begin,
             reads=reads,
-            dense_k=torch.cat(dense_k, 2) if len(dense_k) > 1 else tail_k,
-            dense_v=torch.cat(dense_v, 2) if len(dense_v) > 1 else tail_v,
+            fp_k=_joined(fp_k),  # [B, H, s + t + q, D]
+            fp_v=_joined(fp_v),
+            n_sinks=self.sinks.n if with_sinks else 0,
             dense_valid=valid,
             pads=self.pads,
-            tail_k=tail_k,
-            tail_v=tail_v,
             transform=self.transform,
             # the sinks as they are now: a sliding layer may drop them in this call's append
             sinks_back=functools.partial(

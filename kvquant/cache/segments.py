@@ -33,64 +33,84 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 class TailSegment:
     """The newest positions ``[begin, end)`` in full precision; keeps ``residual`` of them (and up to
-    ``block - 1`` more: the channel axis quantizes whole blocks of ``block`` tokens)."""
+    ``block - 1`` more: the channel axis quantizes whole blocks of ``block`` tokens).
+
+    The buffer holds them at rows ``[off, off + len)``: a decode step writes its token past the end
+    and the oldest leave by advancing ``off`` (handed on as views, consumed within the append); the
+    rows move back to 0 only when the buffer is full, once every ``capacity - residual - block`` steps.
+    """
 
     def __init__(self, residual: int, block: int):
         self.residual, self.block = residual, block
         self.begin = self.end = 0
+        self.off = 0  # buffer row of position `begin`
         self.k = self.v = None  # [B, H, cap, D]
 
     def allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        cap = self.residual + self.block + 1
+        cap = 2 * (self.residual + self.block) + 8
         self.k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])  # [B, H, cap, D]
         self.v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
+        self.off = 0
 
     def __len__(self) -> int:
         return self.end - self.begin
 
     def _reserve(self, n: int) -> None:
-        if n > self.k.shape[2]:
-            grow = max(n, 2 * self.k.shape[2])
-            held = len(self)
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_zeros(*old.shape[:2], grow, old.shape[3])
-                new[:, :, :held] = old[:, :, :held]
-                setattr(self, name, new)
+        """Room for ``n`` positions from row ``off``: the held rows move to row 0 (into a buffer at
+        least twice as big when ``n`` does not fit at all)."""
+        cap = self.k.shape[2]
+        if self.off + n <= cap:
+            return
+        held, o = len(self), self.off
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], max(n, 2 * cap), old.shape[3]) if n > cap else old
+            new[:, :, :held] = old[:, :, o : o + held].clone() if new is old else old[:, :, o : o + held]
+            setattr(self, name, new)
+        self.off = 0
 
     def push(self, k: torch.Tensor, v: torch.Tensor) -> KV | None:
-        """Append ``k, v [B, H, n, D]``; return the oldest whole blocks beyond ``residual``."""
+        """Append ``k, v [B, H, n, D]``; return the oldest whole blocks beyond ``residual`` (views
+        of the buffer or of the input: use them before the next push)."""
         held, n = len(self), k.shape[2]
         total = held + n
         n_out = max(total - self.residual, 0) // self.block * self.block
+        o = self.off
+        if n_out <= held:  # a decode step: the new tokens go past the end, the oldest leave
+            self._reserve(total)  # (may move the held rows to row 0)
+            o = self.off
+            self.k[:, :, o + held : o + total] = k
+            self.v[:, :, o + held : o + total] = v
+            self.off += n_out
+            out = None if n_out == 0 else (self.k[:, :, o : o + n_out], self.v[:, :, o : o + n_out])
+        else:  # a prompt: every held token leaves, and the first `lead` new ones pass by
+            lead = n_out - held
+            out_k = k[:, :, :lead] if not held else torch.cat([self.k[:, :, o : o + held], k[:, :, :lead]], 2)
+            out_v = v[:, :, :lead] if not held else torch.cat([self.v[:, :, o : o + held], v[:, :, :lead]], 2)
+            out = (out_k, out_v)
+            self.off, self.end = 0, self.begin  # nothing held while the buffer is reserved
+            self._reserve(n - lead)
+            self.k[:, :, : n - lead] = k[:, :, lead:]
+            self.v[:, :, : n - lead] = v[:, :, lead:]
+            self.end = self.begin + held  # (begin and end move on below)
         self.end += n
-        if n_out == 0:
-            self._reserve(total)
-            self.k[:, :, held:total] = k
-            self.v[:, :, held:total] = v
-            return None
-        if held:
-            k = torch.cat([self.k[:, :, :held], k], dim=2)
-            v = torch.cat([self.v[:, :, :held], v], dim=2)
-        rest = total - n_out
-        self._reserve(rest)
-        self.k[:, :, :rest] = k[:, :, n_out:]
-        self.v[:, :, :rest] = v[:, :, n_out:]
         self.begin += n_out
-        return k[:, :, :n_out], v[:, :, :n_out]
+        return out
 
     def read(self, p0: int) -> KV:
         """Views of positions ``[max(p0, begin), end)`` (they change with the next push: copy to keep)."""
-        i0 = max(p0 - self.begin, 0)
-        return self.k[:, :, i0 : len(self)], self.v[:, :, i0 : len(self)]
+        i0, i1 = self.off + max(p0 - self.begin, 0), self.off + len(self)
+        return self.k[:, :, i0:i1], self.v[:, :, i0:i1]
 
     def reset(self, begin: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Hold exactly positions ``[begin, begin + n)`` = ``k, v [B, H, n, D]`` (after a crop)."""
         n = k.shape[2]
+        self.off = 0
+        self.begin = self.end = begin  # nothing held while the buffer is reserved
         self._reserve(n)
         self.k[:, :, :n] = k
         self.v[:, :, :n] = v
-        self.begin, self.end = begin, begin + n
+        self.end = begin + n
 
     def crop(self, p: int) -> None:
         self.end = max(min(self.end, p), self.begin)
@@ -115,6 +135,7 @@ class QuantizedSegment:
         self.k_store, self.v_store = k_store, v_store
         self.limit = limit
         self.origin = self.begin = self.end = 0
+        self.low = 0  # the recent window's first position (what ages out leaves from here)
 
     @property
     def stores(self) -> tuple[TokenStore, TokenStore]:
@@ -150,39 +171,50 @@ class QuantizedSegment:
                 store.move(shift, used)
             self.origin += shift
             return
+        if needed > 2 * cap:  # a long prompt: keep the old capacity as headroom, so that the
+            needed += cap  # decode steps right after it do not copy the whole store again
         for store in self.stores:
             store.grow(needed, used)
 
     def push(self, k: torch.Tensor, v: torch.Tensor) -> KV | None:
         """Quantize ``k, v [B, H, n, D]`` (stored space) as the newest positions; return, dequantized
-        in the input's dtype, the oldest positions beyond ``limit`` (None for the main store)."""
+        in the input's dtype, the oldest positions beyond ``limit`` (None for the main store).
+
+        The recent window appends past its end like the main store and only advances ``low`` (its
+        first position) as tokens age out: the buffers are rebuilt (the window moved to index 0)
+        once they are full, every ``capacity - limit`` tokens, not at every step."""
         n = k.shape[2]
         if self.limit is None:
             self._reserve(self.end + n)
             self._write(self.end - self.origin, k, v)
             self.end += n
             return None
-        held = self.end - self.origin
+        held = self.end - self.low
         over = max(held + n - self.limit, 0)
         leave, direct = min(over, held), max(n - self.limit, 0)  # old tokens out; new ones passing by
         out = None
         if leave + direct:
-            old = [s.read(0, leave, k.dtype) for s in self.stores] if leave else None
+            i0 = self.low - self.origin
+            old = [s.read(i0, i0 + leave, k.dtype) for s in self.stores] if leave else None
             out_k = k[:, :, :direct] if not leave else torch.cat([old[0], k[:, :, :direct]], 2)
             out_v = v[:, :, :direct] if not leave else torch.cat([old[1], v[:, :, :direct]], 2)
             out = (out_k, out_v)
-        kept, fresh = held - leave, n - direct
-        if leave:  # new buffers: an operand handed out earlier keeps reading the old ones
-            for store in self.stores:
-                store.move(leave, held, max(store.capacity, kept + fresh))
-        else:
-            for store in self.stores:
-                store.grow(kept + fresh, kept)
+        self.low += leave
+        fresh = n - direct
+        if direct:  # the whole window aged out: start over at index 0, in new buffers if any were read
+            if held:
+                for store in self.stores:
+                    store.move(0, 0)
+            self.origin = self.low = self.end + direct
+        elif self.end + n - self.origin > self.k_store.capacity:  # full: the window to index 0
+            cap = max(self.k_store.capacity, 2 * self.limit, fresh)
+            for store in self.stores:  # new buffers: an operand handed out earlier keeps the old ones
+                store.move(self.low - self.origin, self.end - self.origin, cap)
+            self.origin = self.low
         if fresh:
-            self._write(kept, k[:, :, n - fresh :], v[:, :, n - fresh :])
-        self.origin += leave + direct
+            self._write(self.end + direct - self.origin, k[:, :, direct:], v[:, :, direct:])
         self.end += n
-        self.begin = max(self.begin, self.origin)
+        self.begin = max(self.begin, self.low)
         return out
 
     # ------------------------------------------------------------------------------------ reads
@@ -202,8 +234,8 @@ class QuantizedSegment:
 
     def crop(self, p: int) -> None:
         """Drop positions ``>= p``."""
-        if self.limit is not None and p <= self.origin:
-            self.origin = self.begin = self.end = p  # the recent window empties
+        if self.limit is not None and p <= self.low:
+            self.origin = self.low = self.begin = self.end = p  # the recent window empties
             return
         self.end = min(self.end, p)
         self.begin = min(self.begin, p)

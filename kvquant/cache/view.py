@@ -48,10 +48,12 @@ class KVView:
     """The history a call attends to, as tiers, and the call's own tokens.
 
     ``new_k / new_v [B, H, q, D]``: the call's full-precision tokens. ``reads``: the quantized
-    tiers, oldest first. ``dense_k / dense_v [B, H, n, D]``: the full-precision history tokens
-    (sinks, then the tail), ``dense_valid [B, n]`` (False: padding, or a sink outside the visible
-    history; None: all count). ``sinks_back(x, p0)``: puts the sink values over their slots in
-    dequantized positions ``[p0, p0 + n)``.
+    tiers, oldest first. ``fp_k / fp_v [B, H, s + t + q, D]``: every full-precision token in one
+    copy: the sinks (``n_sinks`` = s of them, when the history still has quantized positions), the
+    tail (t), then the call's own (q); ``dense_k / dense_v`` (sinks and tail) and ``tail_k /
+    tail_v`` are views of it. ``dense_valid [B, s + t]`` (False: padding, or a sink outside the
+    visible history; None: all count). ``sinks_back(x, p0)``: puts the sink values over their slots
+    in dequantized positions ``[p0, p0 + n)``.
     """
 
     new_k: torch.Tensor
@@ -59,14 +61,29 @@ class KVView:
     seq_before: int
     hist_begin: int
     reads: list[QuantizedRead]
-    dense_k: torch.Tensor
-    dense_v: torch.Tensor
+    fp_k: torch.Tensor
+    fp_v: torch.Tensor
+    n_sinks: int
     dense_valid: torch.Tensor | None
     pads: torch.Tensor  # [B] int64
-    tail_k: torch.Tensor  # [B, H, t, D]: the tail part of dense_k (for the dequantized history)
-    tail_v: torch.Tensor
     transform: KeyTransform
     sinks_back: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def dense_k(self) -> torch.Tensor:  # [B, H, s + t, D]
+        return self.fp_k[:, :, : self.fp_k.shape[2] - self.new_k.shape[2]]
+
+    @property
+    def dense_v(self) -> torch.Tensor:
+        return self.fp_v[:, :, : self.fp_v.shape[2] - self.new_v.shape[2]]
+
+    @property
+    def tail_k(self) -> torch.Tensor:  # [B, H, t, D]
+        return self.dense_k[:, :, self.n_sinks :]
+
+    @property
+    def tail_v(self) -> torch.Tensor:
+        return self.dense_v[:, :, self.n_sinks :]
 
     @property
     def shape(self) -> torch.Size:
@@ -100,6 +117,6 @@ class KVView:
             k, v = self.sinks_back(k.to(dtype), v.to(dtype), self.reads[0].p0)
             parts_k.append(k)
             parts_v.append(v)
-        parts_k += [self.tail_k, self.new_k]
-        parts_v += [self.tail_v, self.new_v]
+        parts_k.append(self.fp_k[:, :, self.n_sinks :])  # the tail, then the call's tokens
+        parts_v.append(self.fp_v[:, :, self.n_sinks :])
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
