@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kvquant.formats.rounding import round_nearest_positive, round_to_dtype
+from kvquant.formats.rounding import round_nearest_positive, round_to_dtype, sqrt_rn
 from kvquant.formats.spec import Encoder, FormatSpec, TritonRead, check_finite
 from kvquant.formats.trellis import (
     TRELLIS_STATE_BITS,
@@ -185,7 +185,7 @@ class Codebook(FormatSpec):
         xg = xg.contiguous()
         levels = self.levels.to(xg.device)
         edges = (levels[1:] + levels[:-1]) / 2
-        rms = xg.square().mean(dim=red, keepdim=True).sqrt()
+        rms = sqrt_rn(xg.square().mean(dim=red, keepdim=True))
         rms = torch.where(rms == 0, torch.ones_like(rms), rms)
         amax = xg.abs().amax(dim=red, keepdim=True)
         fit_max = torch.where(
@@ -207,8 +207,8 @@ class Codebook(FormatSpec):
         # Nearest levels shrink a vector (each level is the mean of its cell), which would shrink every
         # attention score; rescale so that the group keeps its norm, then re-pick the nearest levels
         # for the scale actually stored (the error bound is about that scale).
-        norm_x = xg.square().sum(dim=red, keepdim=True).sqrt()
-        norm_q = (levels[best_q] * best_s.float()).square().sum(dim=red, keepdim=True).sqrt()
+        norm_x = sqrt_rn(xg.square().sum(dim=red, keepdim=True))
+        norm_q = sqrt_rn((levels[best_q] * best_s.float()).square().sum(dim=red, keepdim=True))
         keep = norm_q > 0
         raw = torch.where(
             keep, best_s.float() * norm_x / torch.where(keep, norm_q, torch.ones_like(norm_q)), rms
@@ -265,7 +265,7 @@ class Trellis(FormatSpec):
         ``xg[B, H, T, D/G, G]``: the path is searched (``encoder``, default the torch search) for
         ``x / RMS`` (each group's RMS, rounded up), then each group's scale is stretched so that the
         dequantized group keeps the input's norm (to the nearest value of the scale dtype)."""
-        rms = xg.square().mean(dim=-1, keepdim=True).sqrt()
+        rms = sqrt_rn(xg.square().mean(dim=-1, keepdim=True))
         amax = xg.abs().amax(dim=-1, keepdim=True)
         search = round_to_dtype(torch.where(rms == 0, torch.ones_like(rms), rms), scale_dtype, +1).float()
         check_finite(xg, search, scale_dtype=scale_dtype)
@@ -274,8 +274,8 @@ class Trellis(FormatSpec):
         y = (xg / search).reshape(-1, d)  # [N, D]: whole head vectors, in units of each group's scale
         codes = (encoder or trellis_encode)(y, self.bits)  # [N, D]
         levels = trellis_decode(codes, self.bits).view(xg.shape)
-        norm_x = xg.square().sum(dim=-1, keepdim=True).sqrt()
-        norm_l = levels.square().sum(dim=-1, keepdim=True).sqrt()
+        norm_x = sqrt_rn(xg.square().sum(dim=-1, keepdim=True))
+        norm_l = sqrt_rn(levels.square().sum(dim=-1, keepdim=True))
         keep = norm_l > 0
         raw = torch.where(keep, norm_x / torch.where(keep, norm_l, torch.ones_like(norm_l)), search)
         # to the nearest value of the scale dtype (no bound to keep; rounding up would inflate norms by
