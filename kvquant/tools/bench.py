@@ -10,12 +10,13 @@ throughout; caches that hand it plain tensors get SDPA from it):
   for SDPA every step (``no_dequant`` leaves those out: they double the run time);
 - transformers' ``QuantizedCache`` (quanto int4 / int2) when optimum-quanto is installed.
 
-Decode: per context ``L``, a fresh cache, a prefill of ``L`` tokens, then ``steps`` greedy steps;
-tokens/s of the steps. Prefill: the time of one forward over a ``prefill``-token prompt into a fresh
-cache, as a ratio to DynamicCache's time (above 1: slower), from its own pass (prompt, one step that
-is not reported); when ``prefill`` is one of the contexts the decode runs' own prefill is used
-instead, and ``prefill=0`` skips the column. Every pass interleaves the contenders run by run and
-reports medians (:func:`kvquant.eval.speed.measure_speed`), so machine load hits all alike.
+Decode: per context ``L``, every contender's cache is filled once with an ``L``-token prompt, then
+``warmup + repeats`` rounds of ``steps`` greedy steps run, the contenders interleaved round by round
+(:func:`kvquant.eval.speed.measure_decode`; the context grows by ``steps`` per round); tokens/s of
+the median round. Prefill: the time of one forward over a ``prefill``-token prompt into a fresh cache,
+as a ratio to DynamicCache's time (above 1: slower), median of runs interleaved run by run
+(:func:`kvquant.eval.speed.measure_speed`); ``prefill=0`` skips the column. Machine load hits all
+contenders alike.
 
 Each preset's row names the backend of :mod:`kvquant.kernels.ops` its decode and quantize calls take
 on the model's device (``ops.backend_for``, per segment: main store, then the recent window), e.g.
@@ -225,7 +226,7 @@ def bench_cpu(
     contexts: tuple[int, ...] = (2048, 4096),
     presets: tuple[str, ...] | None = None,
     steps: int = 16,
-    repeats: int = 3,
+    repeats: int = 5,
     warmup: int = 1,
     out_dir: str | None = None,
     model=None,
@@ -241,7 +242,7 @@ def bench_cpu(
     tokens), ``prefill_tokens, prefill_ms, prefill_vs_dynamic`` (the prefill column; None when skipped).
     Bad settings or an unknown preset raise ``ValueError`` before the model loads.
     """
-    from kvquant.eval.speed import measure_speed, with_ratios
+    from kvquant.eval.speed import measure_decode, measure_speed, prompt_tokens, with_ratios
     from kvquant.models import load_model
 
     contexts = list(contexts)
@@ -253,21 +254,25 @@ def bench_cpu(
     builds = _caches(model, presets, dequant)
     gen = torch.Generator().manual_seed(0)
     stream = torch.randint(100, model.config.vocab_size - 1, (max(contexts + [prefill]),), generator=gen)
-    speed = dict(batch_sizes=[1], warmup=warmup, repeats=repeats)
+    timing = dict(warmup=warmup, repeats=repeats)
     try:
-        measured = measure_speed(
-            model, builds, stream, context_lengths=contexts, decode_tokens=steps, **speed
-        )
-        pre = measured
-        if prefill and prefill not in contexts:
-            pre = measure_speed(model, builds, stream, context_lengths=[prefill], decode_tokens=1, **speed)
+        measured: dict[str, list[dict]] = {label: [] for label in builds}
+        for length in contexts:
+            ids = prompt_tokens(stream, length, 1)
+            for label, row in measure_decode(model, builds, ids, decode_tokens=steps, **timing).items():
+                measured[label].append(row)
+        pre = None
+        if prefill:
+            pre = measure_speed(
+                model, builds, stream, context_lengths=[prefill], decode_tokens=1, batch_sizes=[1], **timing
+            )
     finally:
         model.set_attn_implementation("sdpa")
     backend, detail = _backend_labels(model, presets)
     quanto = {r["context"]: r for r in measured.get("QuantizedCache quanto int4", [])}
     rows = []
     for label, label_rows in measured.items():
-        p = next((r for r in with_ratios(pre[label], pre["DynamicCache"]) if r["context"] == prefill), None)
+        p = None if pre is None else with_ratios(pre[label], pre["DynamicCache"])[0]
         for r in with_ratios(label_rows, measured["DynamicCache"]):
             q = quanto.get(r["context"])
             rows.append(
@@ -278,6 +283,7 @@ def bench_cpu(
                     "tokens_per_s": r["decode_tok_s"],
                     "vs_dynamic": r["decode_x"],
                     "vs_quanto_int4": r["decode_tok_s"] / q["decode_tok_s"] if q else None,
+                    "context_end": r["context_end"],
                     "context_prefill_ms": r["prefill_ms"],
                     "prefill_tokens": prefill or None,
                     "prefill_ms": p["prefill_ms"] if p else None,

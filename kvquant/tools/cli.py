@@ -194,8 +194,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--presets", type=flag_type(list[str]), default=["all"], help="comma-separated, or all (default)"
     )
-    p.add_argument("--steps", type=int, default=16, help="decode steps per timed run")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed round")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     p.add_argument(
         "--prefill", type=int, default=1024, help="prompt tokens of the prefill column (0: no column)"

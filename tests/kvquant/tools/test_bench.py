@@ -3,6 +3,8 @@
 import json
 
 import pytest
+import torch
+from transformers import DynamicCache
 
 from kvquant.config import KVQuantConfig, preset_names
 from kvquant.kernels.cpu import native_available
@@ -67,13 +69,47 @@ def test_two_presets_give_every_contender_a_row_and_a_prefill_ratio(tmp_path, ca
     assert md in capsys.readouterr().out
 
 
-def test_prefill_at_a_decode_context_reuses_those_runs_and_no_dequant_drops_contenders():
+def test_no_prefill_column_and_no_dequant_drop_their_parts_and_decode_continues_one_cache():
     rows = bench_cpu(
-        model=tiny_model("llama"), contexts=(24,), presets=("int8",), steps=1, repeats=1, warmup=0,
-        prefill=24, dequant=False,
+        model=tiny_model("llama"), contexts=(24,), presets=("int8",), steps=3, repeats=2, warmup=1,
+        prefill=0, dequant=False,
     )  # fmt: skip
     assert not any("(dequant)" in r["cache"] for r in rows)
-    assert all(r["prefill_ms"] == r["context_prefill_ms"] for r in rows)
+    assert all(r["prefill_ms"] is None and r["prefill_vs_dynamic"] is None for r in rows)
+    assert all(r["context_end"] == 24 + (1 + 2) * 3 for r in rows)  # one prefill, three rounds on it
+
+
+def test_decode_rounds_are_interleaved_over_caches_filled_once():
+    from kvquant.eval.speed import measure_decode
+
+    model = tiny_model("llama")
+    order, made = [], []
+
+    class Recording(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx == 0:
+                order.append((self.name, key_states.shape[2]))
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def build(name):
+        def make():
+            made.append(name)
+            cache = Recording(config=model.config)
+            cache.name = name
+            return cache
+
+        return make
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 10))
+    rows = measure_decode(
+        model, {"a": build("a"), "b": build("b")}, ids, decode_tokens=2, warmup=1, repeats=2
+    )
+    assert made == ["a", "b"]  # one cache each, filled once
+    assert order[:2] == [("a", 10), ("b", 10)]  # the prefills
+    assert [n for n, _ in order[2:]] == ["a", "a", "b", "b"] * 3  # rounds of 2 steps, interleaved
+    assert all(q == 1 for _, q in order[2:])
+    for row in rows.values():
+        assert row["repeats"] == 2 and row["context_end"] == 16 and row["decode_tok_s"] > 0
 
 
 def test_preset_backends_follow_the_device_and_the_segments():
