@@ -234,10 +234,11 @@ static void fold_zero_points(const kvq_operand *v, int v_fold, int64_t G, int64_
             for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g];
 }
 
-/* Scales sv[i] and zero points zv[i] of tokens t0 + i, i < nt (one per token); the caller zeroes
- * sv / zv beyond nt. */
-static void token_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, float *sv,
-                         float *zv) {
+/* Scales sv[i] and zero points zv[i] of tokens t0 + i, i < lanes (one per token; 0 from nt on and
+ * zero points 0 without them). */
+static void token_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, int lanes,
+                         float *sv, float *zv) {
+    for (int i = 0; i < lanes; i++) sv[i] = zv[i] = 0.0f;
     for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 1, sv + i, zv + i);
 }
 
@@ -479,8 +480,8 @@ static inline __m512 exp16(__m512 x) {
  * (0 beyond nt; zero 0 without zero points). */
 static inline void token_scales16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt,
                                   __m512 *s, __m512 *z) {
-    float sv[16] = {0}, zv[16] = {0};
-    token_scales(o, b, h, t0, nt, sv, zv);
+    float sv[16], zv[16];
+    token_scales(o, b, h, t0, nt, 16, sv, zv);
     *s = _mm512_loadu_ps(sv);
     *z = o->zero ? _mm512_loadu_ps(zv) : _mm512_setzero_ps();
 }
@@ -722,24 +723,27 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
         else for (int64_t i = 0; i < nt; i++) load_row(k, b, h, t0 + i, (int)D, idx, kb + i * D);
         if (v_fast) load_block8(v, b, h, t0, nt, D, vb, v_fold);
         else for (int64_t i = 0; i < nt; i++) load_row(v, b, h, t0 + i, (int)D, idx, vb + i * D);
-        float sc[4][8] = {{0}}; /* key scale, key zero, value scale, value zero of each token */
-        if (k_fold) token_scales(k, b, h, t0, nt, sc[0], sc[1]);
-        if (v_fold) token_scales(v, b, h, t0, nt, sc[2], sc[3]);
-        const __m256 ks = _mm256_loadu_ps(sc[0]), kz = _mm256_loadu_ps(sc[1]);
-        const __m256 vs = _mm256_loadu_ps(sc[2]), vz = _mm256_loadu_ps(sc[3]);
+        if (nt < 8) { /* the last block: rows beyond it zero, so that all 8 rows can be read */
+            memset(kb + nt * D, 0, sizeof(float) * (size_t)((8 - nt) * D));
+            memset(vb + nt * D, 0, sizeof(float) * (size_t)((8 - nt) * D));
+        }
+        float sc[4][8]; /* key scale, key zero, value scale, value zero of each token (0 beyond nt) */
+        if (k_fold) token_scales(k, b, h, t0, nt, 8, sc[0], sc[1]);
+        if (v_fold) token_scales(v, b, h, t0, nt, 8, sc[2], sc[3]);
+        const __m256 ks = k_fold ? _mm256_loadu_ps(sc[0]) : _mm256_setzero_ps();
+        const __m256 kz = k_fold ? _mm256_loadu_ps(sc[1]) : _mm256_setzero_ps();
+        const __m256 vs = v_fold ? _mm256_loadu_ps(sc[2]) : _mm256_setzero_ps();
+        const __m256 vz = v_fold ? _mm256_loadu_ps(sc[3]) : _mm256_setzero_ps();
         int32_t live[8]; /* lanes that attend: in the block and not masked out */
         for (int64_t i = 0; i < 8; i++) live[i] = i < nt && (!valid || valid[t0 + i]) ? -1 : 0;
         const __m256 attend = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)live));
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qh + g * D;
-            __m256 part[8];
-            for (int64_t i = 0; i < 8; i++) {
-                if (i >= nt) { part[i] = _mm256_setzero_ps(); continue; }
-                const float *row = kb + i * D;
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(row));
-                for (int64_t c = 1; c < nc; c++)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(row + 8 * c), a);
-                part[i] = a;
+            __m256 part[8]; /* one FMA chain per row, side by side (a chain per row in turn waits on FMA latency) */
+            for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < nc; c++) {
+                const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + i * D + 8 * c), part[i]);
             }
             __m256 s = hsum8(part);
             if (k_fold) s = _mm256_fmadd_ps(s, ks, _mm256_mul_ps(kz, _mm256_set1_ps(qsum[g])));
@@ -771,11 +775,13 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             }
             float *ag = acc + g * D;
             const __m256 vc = _mm256_set1_ps(corr);
-            for (int64_t c = 0; c < nc; c++) {
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc);
-                for (int64_t i = 0; i < nt; i++)
+            for (int64_t c = 0; c < nc; c++) { /* all 8 rows (p 0 beyond nt) in two FMA chains */
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
+                for (int i = 0; i < 8; i += 2) {
                     a = _mm256_fmadd_ps(_mm256_set1_ps(pg[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
-                _mm256_storeu_ps(ag + 8 * c, a);
+                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[i + 1]), _mm256_loadu_ps(vb + (i + 1) * D + 8 * c), a1);
+                }
+                _mm256_storeu_ps(ag + 8 * c, _mm256_add_ps(a, a1));
             }
         }
     }
