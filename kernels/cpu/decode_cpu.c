@@ -636,12 +636,15 @@ static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, 
                                     : _mm256_setzero_ps();
     const __m256 lut_hi = n_lut > 8 ? _mm256_loadu_ps(o->lut + 8) : _mm256_setzero_ps();
     const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
+    float sb[512], zb[512];
+    int64_t scale_row = -1; /* channel axis: the scale row in sb / zb (one per `group` tokens) */
     for (int64_t i = 0; i < nt; i++) {
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
-        float sb[512], zb[512];
         const float *s = NULL, *z = NULL;
         if (o->scale && !raw) {
-            load_scales(o, b, h, t0 + i, (int)D, sb, zb);
+            if (!o->channel_axis || (t0 + i) / o->group != scale_row)
+                load_scales(o, b, h, t0 + i, (int)D, sb, zb);
+            scale_row = o->channel_axis ? (t0 + i) / o->group : -1;
             s = sb;
             if (o->zero) z = zb;
         }
