@@ -172,8 +172,83 @@ static inline void load_row(const kvq_operand *o, int64_t b, int64_t h, int64_t 
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) /* (so with AVX-512 too: -mavx512f implies both) */
 #include <immintrin.h>
+
+/* What the AVX-512 and AVX2 paths share: which operands their block loaders read, where each
+ * chunk of a row lies in the packed bytes, and the scalar side of the one-scale-per-token fold. */
+
+/* Can load_block16 / load_block8 read this operand in chunks of `lanes` channels? (every chunk lies
+ * in one bit plane and one scale group). Otherwise the row-by-row load_row is used (full-precision
+ * rows too: there it is one memcpy). */
+static int avx_loadable(const kvq_operand *o, int64_t D, int lanes) {
+    if (D % lanes || D > 512 || o->bits == 32) return 0;
+    if (o->state_codes) return !(o->scale && !o->channel_axis && (D / o->n_groups) % lanes);
+    if (o->bits == 4 && (D / 2) % lanes) return 0;
+    if (o->bits == 2 && (D / 4) % lanes) return 0;
+    if (o->bits == 3 && (D / 8) % lanes) return 0;
+    if (o->scale && !o->channel_axis && (D / o->n_groups) % lanes) return 0;
+    return 1;
+}
+
+/* Where chunk c (channels lanes c .. lanes c + lanes - 1) of a row lies: its code bytes from
+ * off[c], its field at bit shift[c] of each; int3: its high bits at bit shift1[c] of the bytes from
+ * off1[c]. Needs avx_loadable. */
+static void chunk_planes(const kvq_operand *o, int64_t D, int lanes, int *off, int *shift, int *off1,
+                         int *shift1) {
+    const int w = o->bits == 8 ? (int)D : (int)(o->bits == 4 ? D / 2 : D / 4);
+    for (int c = 0; c < (int)(D / lanes); c++) {
+        const int k = lanes * c / w; /* bit plane of the chunk (int3: of its low bits) */
+        off[c] = lanes * c - k * w;
+        shift[c] = o->bits == 8 ? 0 : (o->bits == 4 ? 4 : 2) * k;
+        if (o->bits == 3) {
+            const int w1 = (int)(D / 8), k1 = lanes * c / w1;
+            off1[c] = w + lanes * c - k1 * w1;
+            shift1[c] = k1;
+        }
+    }
+}
+
+/* One scale (and zero point) per token: the block loaders leave the codes raw and the heads fold
+ * the scales in. Scores are s_t (q . c_t) + z_t sum(q), so qsum[g] = sum(q_g); values accumulate
+ * (p_t s_t) c_t, and sum_t p_t z_t per query head on the side (zacc, zeroed here). */
+static int one_scale_per_token(const kvq_operand *o, int fast) {
+    return fast && o->scale && !o->channel_axis && o->n_groups == 1;
+}
+
+static void fold_init(const float *qh, int64_t G, int64_t D, float *qsum, float *zacc) {
+    for (int64_t g = 0; g < G; g++) {
+        float t = 0.0f;
+        for (int64_t d = 0; d < D; d++) t += qh[g * D + d];
+        qsum[g] = t;
+        zacc[g] = 0.0f;
+    }
+}
+
+/* The end of the fold: each query head's sum_t p_t z_t added to every channel (rows not poisoned). */
+static void fold_zero_points(const kvq_operand *v, int v_fold, int64_t G, int64_t D, const float *zacc,
+                             const float *m, float *acc) {
+    if (!v_fold || !v->zero) return;
+    for (int64_t g = 0; g < G; g++)
+        if (!isnan(m[g]))
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g];
+}
+
+/* Scales sv[i] and zero points zv[i] of tokens t0 + i, i < lanes (one per token; 0 from nt on and
+ * zero points 0 without them). */
+static void token_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, int lanes,
+                         float *sv, float *zv) {
+    for (int i = 0; i < lanes; i++) sv[i] = zv[i] = 0.0f;
+    for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 1, sv + i, zv + i);
+}
+
+/* softcap tanh(s / softcap) softcap on n scores in place. */
+static void softcap_scores(float *s, int n, float softcap) {
+    for (int i = 0; i < n; i++) s[i] = softcap * tanhf(s[i] / softcap);
+}
+#endif
+
+#if defined(__AVX512F__)
 
 /* Lane sums of 16 vectors: result lane i = sum of v[i]'s 16 lanes (a shuffle-and-add tree,
  * 15 merges instead of 16 separate horizontal reductions). */
@@ -292,18 +367,6 @@ static inline void trellis_row_vbmi(const trellis_ix *ix, const uint8_t *row, co
 }
 #endif
 
-/* Can load_block16 read this operand? (every 16-channel chunk lies in one bit plane and one scale
- * group). Otherwise the row-by-row load_row is used. */
-static int avx_loadable(const kvq_operand *o, int64_t D) {
-    if (D % 16 || D > 512) return 0;
-    if (o->state_codes) return !(o->scale && !o->channel_axis && (D / o->n_groups) % 16);
-    if (o->bits == 4 && (D / 2) % 16) return 0;
-    if (o->bits == 2 && (D / 4) % 16) return 0;
-    if (o->bits == 3 && (D / 8) % 16) return 0;
-    if (o->scale && !o->channel_axis && (D / o->n_groups) % 16) return 0;
-    return 1;
-}
-
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 16 channels per step: bytes -> 16 int32 codes
  * (one shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert, a
  * 16-entry permute for codebooks, a gather for fp8) -> times scale plus zero point. */
@@ -311,17 +374,8 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
                          int64_t D, float *out, int raw) {
     const int nc = (int)(D / 16);
     int off[32], shift[32], off1[32], shift1[32];
-    const int w = o->bits == 8 ? (int)D : (int)(o->bits == 4 ? D / 2 : D / 4);
-    for (int c = 0; c < nc; c++) {
-        const int k = 16 * c / w; /* bit plane of the chunk (int3: of its low bits) */
-        off[c] = 16 * c - k * w;
-        shift[c] = o->bits == 8 ? 0 : (o->bits == 4 ? 4 : 2) * k;
-        if (o->bits == 3) {
-            const int w1 = (int)(D / 8), k1 = 16 * c / w1;
-            off1[c] = w + 16 * c - k1 * w1;
-            shift1[c] = k1;
-        }
-    }
+    chunk_planes(o, D, 16, off, shift, off1, shift1);
+    const int w = o->bits == 4 ? (int)(D / 2) : 0;
     const __m512i mask = _mm512_set1_epi32(o->bits == 8 ? 255 : (o->bits == 4 ? 15 : 3));
     const int small_lut = o->lut && o->bits < 8;
     const __m512 lut16 = small_lut ? _mm512_loadu_ps(o->lut) : _mm512_setzero_ps();
@@ -426,8 +480,8 @@ static inline __m512 exp16(__m512 x) {
  * (0 beyond nt; zero 0 without zero points). */
 static inline void token_scales16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt,
                                   __m512 *s, __m512 *z) {
-    float sv[16] = {0}, zv[16] = {0};
-    for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 1, sv + i, zv + i);
+    float sv[16], zv[16];
+    token_scales(o, b, h, t0, nt, 16, sv, zv);
     *s = _mm512_loadu_ps(sv);
     *z = o->zero ? _mm512_loadu_ps(zv) : _mm512_setzero_ps();
 }
@@ -441,20 +495,11 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
                                int64_t T, float scaling, float softcap, float *kb, float *vb,
                                uint8_t *idx, float *m, float *l, float *acc) {
     const int64_t nc = D / 16;
-    const int k_fast = avx_loadable(k, D), v_fast = avx_loadable(v, D);
-    /* one scale (and zero point) per token: fold them out of the rows. Scores are
-     * s_t (q . c_t) + z_t sum(q); values accumulate (p_t s_t) c_t, and sum_t p_t z_t per query head
-     * on the side (zacc), added to every channel at the end */
-    const int k_fold = k_fast && k->scale && !k->channel_axis && k->n_groups == 1;
-    const int v_fold = v_fast && v->scale && !v->channel_axis && v->n_groups == 1;
+    const int k_fast = avx_loadable(k, D, 16), v_fast = avx_loadable(v, D, 16);
+    const int k_fold = one_scale_per_token(k, k_fast), v_fold = one_scale_per_token(v, v_fast);
     float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
     float qsum[64], zacc[64];
-    for (int64_t g = 0; g < G; g++) {
-        float t = 0.0f;
-        for (int64_t d = 0; d < D; d++) t += qh[g * D + d];
-        qsum[g] = t;
-        zacc[g] = 0.0f;
-    }
+    fold_init(qh, G, D, qsum, zacc);
     for (int64_t t0 = t_begin; t0 < T; t0 += 16) {
         const int64_t nt = T - t0 < 16 ? T - t0 : 16;
         if (k_fast) load_block16(k, b, h, t0, nt, D, kb, k_fold);
@@ -482,7 +527,7 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
             if (softcap > 0.0f) {
                 float tmp[16];
                 _mm512_storeu_ps(tmp, s);
-                for (int i = 0; i < 16; i++) tmp[i] = softcap * tanhf(tmp[i] / softcap);
+                softcap_scores(tmp, 16, softcap);
                 s = _mm512_loadu_ps(tmp);
             }
             float *pg = p_all + g * 16;
@@ -514,10 +559,236 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
             }
         }
     }
-    if (v_fold && v->zero)
-        for (int64_t g = 0; g < G; g++)
-            if (!isnan(m[g]))
-                for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g];
+    fold_zero_points(v, v_fold, G, D, zacc, m, acc);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 + FMA twin of the AVX-512 path (8-lane vectors, blocks of 8 tokens): what CPUs without
+ * AVX-512 run (AMD EPYC before Zen 4, older Intel cores), and, on any CPU, the full-precision tokens
+ * and heads with D % 16 != 0. */
+
+/* Lane sums of 8 vectors: result lane i = sum of v[i]'s 8 lanes (transpose-and-add, 7 merges). */
+static inline __m256 hsum8(const __m256 *v) {
+    __m256 x[4], y[2];
+    for (int k = 0; k < 4; k++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        x[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; k++) /* per 128-bit lane: the lane's sum of 4 sources */
+        y[k] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20), _mm256_permute2f128_ps(y[0], y[1], 0x31));
+}
+
+/* Sum and max of one vector's 8 lanes. */
+static inline float reduce_add8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float reduce_max8(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* exp(x) for x <= 0, 8 lanes (same polynomial as exp_nonpos; lanes below -87 give 0). 2^n is built
+ * in the exponent bits (n >= -126 here: a normal float). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* 8 bytes -> 8 int32 lanes (zero-extended). */
+static inline __m256i bytes8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 8 channels per step: bytes -> 8 int32 codes (one
+ * shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert; codebooks of
+ * up to 16 levels: two 8-entry permutes blended on bit 3; fp8 and trellis states: a gather) -> times
+ * scale plus zero point. raw: codes without the scales (one-scale-per-token fold). */
+static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, int64_t D,
+                        float *out, int raw) {
+    const int nc = (int)(D / 8);
+    int off[64], shift[64], off1[64], shift1[64];
+    chunk_planes(o, D, 8, off, shift, off1, shift1);
+    const int w = o->bits == 4 ? (int)(D / 2) : 0;
+    const __m256i mask = _mm256_set1_epi32(o->bits == 8 ? 255 : (o->bits == 4 ? 15 : 3));
+    const int small_lut = o->lut && o->bits < 8 && !o->state_codes;
+    const int n_lut = small_lut ? 1 << o->bits : 0; /* its entries; read no further */
+    const __m256i first = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lut_lo = small_lut ? _mm256_maskload_ps(o->lut, _mm256_cmpgt_epi32(_mm256_set1_epi32(n_lut), first))
+                                    : _mm256_setzero_ps();
+    const __m256 lut_hi = n_lut > 8 ? _mm256_loadu_ps(o->lut + 8) : _mm256_setzero_ps();
+    const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
+    float sb[512], zb[512];
+    int64_t scale_row = -1; /* channel axis: the scale row in sb / zb (one per `group` tokens) */
+    for (int64_t i = 0; i < nt; i++) {
+        const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
+        const float *s = NULL, *z = NULL;
+        if (o->scale && !raw) {
+            if (!o->channel_axis || (t0 + i) / o->group != scale_row)
+                load_scales(o, b, h, t0 + i, (int)D, sb, zb);
+            scale_row = o->channel_axis ? (t0 + i) / o->group : -1;
+            s = sb;
+            if (o->zero) z = zb;
+        }
+        float *dst = out + i * D;
+        if (o->state_codes) { /* trellis: codes unpacked with the m-1 that wrap around before channel 0 */
+            const int m = o->state_codes, k = o->bits;
+            uint8_t ib[16 + 512 + 16];
+            unpack_row(row, o->bits, (int)D, ib + 16);
+            memcpy(ib + 16 - (m - 1), ib + 16 + D - (m - 1), (size_t)(m - 1));
+            for (int c = 0; c < nc; c++) {
+                const uint8_t *p = ib + 16 + 8 * c;
+                __m256i st = bytes8(p);
+                for (int j = 1; j < m; j++)
+                    st = _mm256_or_si256(st, _mm256_sll_epi32(bytes8(p - j), _mm_cvtsi32_si128(j * k)));
+                __m256 x = _mm256_i32gather_ps(o->lut, st, 4);
+                if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[8 * c / gs]));
+                _mm256_storeu_ps(dst + 8 * c, x);
+            }
+            continue;
+        }
+        if (raw && o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
+            for (int j = 0; j < w; j += 8) {
+                const __m256i ci = bytes8(row + j);
+                _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(_mm256_and_si256(ci, mask)));
+                _mm256_storeu_ps(dst + w + j, _mm256_cvtepi32_ps(_mm256_srli_epi32(ci, 4)));
+            }
+            continue;
+        }
+        for (int c = 0; c < nc; c++) {
+            __m256 x;
+            if (o->bits == 8 && o->is_signed) {
+                x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + off[c]))));
+            } else {
+                __m256i ci = _mm256_and_si256(_mm256_srl_epi32(bytes8(row + off[c]), _mm_cvtsi32_si128(shift[c])), mask);
+                if (o->bits == 3) {
+                    const __m256i hi = _mm256_srl_epi32(bytes8(row + off1[c]), _mm_cvtsi32_si128(shift1[c]));
+                    ci = _mm256_or_si256(ci, _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), 2));
+                }
+                if (n_lut > 8) /* the level of code c: entry c & 7 of the half that bit 3 picks */
+                    x = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, ci), _mm256_permutevar8x32_ps(lut_hi, ci),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(ci, 28)));
+                else if (small_lut) x = _mm256_permutevar8x32_ps(lut_lo, ci);
+                else if (o->lut) x = _mm256_i32gather_ps(o->lut, ci, 4);
+                else x = _mm256_cvtepi32_ps(ci);
+            }
+            if (s) {
+                if (o->channel_axis) {
+                    x = z ? _mm256_fmadd_ps(x, _mm256_loadu_ps(s + 8 * c), _mm256_loadu_ps(z + 8 * c))
+                          : _mm256_mul_ps(x, _mm256_loadu_ps(s + 8 * c));
+                } else {
+                    const int n = 8 * c / gs;
+                    x = z ? _mm256_fmadd_ps(x, _mm256_set1_ps(s[n]), _mm256_set1_ps(z[n]))
+                          : _mm256_mul_ps(x, _mm256_set1_ps(s[n]));
+                }
+            }
+            _mm256_storeu_ps(dst + 8 * c, x);
+        }
+    }
+}
+
+/* One (batch row, KV head), tokens [t_begin, T) in blocks of 8: each block's key and value rows are
+ * dequantized into kb / vb [8, D] (L1-resident; load_row for an operand load_block8 cannot read),
+ * scores for 8 tokens come out of one hsum8, the softmax runs on 8 lanes, and each query head's
+ * accumulator chunk stays in a register across the block's 8 value rows. valid (NULL: all): token
+ * t attends only where valid[t] is 1 (the full-precision tokens). Needs D % 8 == 0. */
+static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
+                             const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin, int64_t T,
+                             float scaling, float softcap, float *kb, float *vb, uint8_t *idx, float *m,
+                             float *l, float *acc, const uint8_t *valid) {
+    const int64_t nc = D / 8;
+    const int k_fast = avx_loadable(k, D, 8), v_fast = avx_loadable(v, D, 8);
+    const int k_fold = one_scale_per_token(k, k_fast), v_fold = one_scale_per_token(v, v_fast);
+    float p_all[8 * 64]; /* probabilities of the block, [G][8]; G <= 64 checked by the caller */
+    float qsum[64], zacc[64];
+    fold_init(qh, G, D, qsum, zacc);
+    for (int64_t t0 = t_begin; t0 < T; t0 += 8) {
+        const int64_t nt = T - t0 < 8 ? T - t0 : 8;
+        if (k_fast) load_block8(k, b, h, t0, nt, D, kb, k_fold);
+        else for (int64_t i = 0; i < nt; i++) load_row(k, b, h, t0 + i, (int)D, idx, kb + i * D);
+        if (v_fast) load_block8(v, b, h, t0, nt, D, vb, v_fold);
+        else for (int64_t i = 0; i < nt; i++) load_row(v, b, h, t0 + i, (int)D, idx, vb + i * D);
+        if (nt < 8) { /* the last block: rows beyond it zero, so that all 8 rows can be read */
+            memset(kb + nt * D, 0, sizeof(float) * (size_t)((8 - nt) * D));
+            memset(vb + nt * D, 0, sizeof(float) * (size_t)((8 - nt) * D));
+        }
+        float sc[4][8]; /* key scale, key zero, value scale, value zero of each token (0 beyond nt) */
+        if (k_fold) token_scales(k, b, h, t0, nt, 8, sc[0], sc[1]);
+        if (v_fold) token_scales(v, b, h, t0, nt, 8, sc[2], sc[3]);
+        const __m256 ks = k_fold ? _mm256_loadu_ps(sc[0]) : _mm256_setzero_ps();
+        const __m256 kz = k_fold ? _mm256_loadu_ps(sc[1]) : _mm256_setzero_ps();
+        const __m256 vs = v_fold ? _mm256_loadu_ps(sc[2]) : _mm256_setzero_ps();
+        const __m256 vz = v_fold ? _mm256_loadu_ps(sc[3]) : _mm256_setzero_ps();
+        int32_t live[8]; /* lanes that attend: in the block and not masked out */
+        for (int64_t i = 0; i < 8; i++) live[i] = i < nt && (!valid || valid[t0 + i]) ? -1 : 0;
+        const __m256 attend = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)live));
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
+            __m256 part[8]; /* one FMA chain per row, side by side (a chain per row in turn waits on FMA latency) */
+            for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < nc; c++) {
+                const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + i * D + 8 * c), part[i]);
+            }
+            __m256 s = hsum8(part);
+            if (k_fold) s = _mm256_fmadd_ps(s, ks, _mm256_mul_ps(kz, _mm256_set1_ps(qsum[g])));
+            s = _mm256_mul_ps(s, _mm256_set1_ps(scaling));
+            if (softcap > 0.0f) {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, s);
+                softcap_scores(tmp, 8, softcap);
+                s = _mm256_loadu_ps(tmp);
+            }
+            s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, attend); /* masked: weight exactly 0 */
+            if (isnan(m[g]) || _mm256_movemask_ps(_mm256_cmp_ps(s, s, _CMP_UNORD_Q))) {
+                m[g] = NAN; /* a NaN score poisons the row, as in torch */
+                continue;
+            }
+            const float bmax = reduce_max8(s);
+            const float mx = bmax > m[g] ? bmax : m[g];
+            if (mx == -INFINITY) continue; /* every token so far masked: no weight */
+            const float corr = m[g] == -INFINITY ? 0.0f : exp_nonpos(m[g] - mx);
+            const __m256 p = exp8(_mm256_sub_ps(s, _mm256_set1_ps(mx))); /* -inf lanes: 0 */
+            l[g] = l[g] * corr + reduce_add8(p);
+            m[g] = mx;
+            float *pg = p_all + g * 8;
+            if (v_fold) {
+                zacc[g] = zacc[g] * corr + reduce_add8(_mm256_mul_ps(p, vz));
+                _mm256_storeu_ps(pg, _mm256_mul_ps(p, vs));
+            } else {
+                _mm256_storeu_ps(pg, p);
+            }
+            float *ag = acc + g * D;
+            const __m256 vc = _mm256_set1_ps(corr);
+            for (int64_t c = 0; c < nc; c++) { /* all 8 rows (p 0 beyond nt) in two FMA chains */
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
+                for (int i = 0; i < 8; i += 2) {
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(pg[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
+                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[i + 1]), _mm256_loadu_ps(vb + (i + 1) * D + 8 * c), a1);
+                }
+                _mm256_storeu_ps(ag + 8 * c, _mm256_add_ps(a, a1));
+            }
+        }
+    }
+    fold_zero_points(v, v_fold, G, D, zacc, m, acc);
 }
 #endif
 
@@ -576,6 +847,26 @@ static void decode_head_generic(const float *qh, int64_t G, int64_t D, const kvq
     }
 }
 
+/* One (batch row, KV head), tokens [t_begin, T): the widest path this build and shape allow. */
+static void decode_head(const float *qh, int64_t G, int64_t D, const kvq_operand *k, const kvq_operand *v,
+                        int64_t b, int64_t h, int64_t t_begin, int64_t T, float scaling, float softcap,
+                        float *kf, float *vf, uint8_t *idx, float *sc, float *m, float *l, float *acc,
+                        const uint8_t *valid) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && G <= 64 && !valid) {
+        decode_head_avx512(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, m, l, acc);
+        return;
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0 && G <= 64) {
+        decode_head_avx2(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, m, l, acc, valid);
+        return;
+    }
+#endif
+    decode_head_generic(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, sc, m, l, acc, valid);
+}
+
 typedef struct {
     const float *q;
     int64_t B, Hkv, G, D;
@@ -608,17 +899,11 @@ static void *run_job(void *arg) {
             for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
             for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
             if (j->fp_k) /* the full-precision tokens, once (first job), masked per row */
-                decode_head_generic(qh, G, D, j->fp_k, j->fp_v, b, h, 0, j->n_fp, j->scaling, j->softcap,
-                                    kf, vf, idx, sc, m, l, acc, j->fp_valid ? j->fp_valid + b * j->n_fp : NULL);
+                decode_head(qh, G, D, j->fp_k, j->fp_v, b, h, 0, j->n_fp, j->scaling, j->softcap, kf, vf, idx,
+                            sc, m, l, acc, j->fp_valid ? j->fp_valid + b * j->n_fp : NULL);
             const int64_t t_begin = j->start[b] > j->r0 ? j->start[b] : j->r0;
-#if defined(__AVX512F__)
-            if (D % 16 == 0 && G <= 64)
-                decode_head_avx512(qh, G, D, j->k, j->v, b, h, t_begin, j->r1, j->scaling, j->softcap,
-                                   kf, vf, idx, m, l, acc);
-            else
-#endif
-                decode_head_generic(qh, G, D, j->k, j->v, b, h, t_begin, j->r1, j->scaling, j->softcap,
-                                    kf, vf, idx, sc, m, l, acc, NULL);
+            decode_head(qh, G, D, j->k, j->v, b, h, t_begin, j->r1, j->scaling, j->softcap, kf, vf, idx, sc,
+                        m, l, acc, NULL);
         }
     }
     free(kf); free(vf); free(idx); free(sc);

@@ -72,13 +72,15 @@ def test_every_format_pair_matches_the_torch_twin(k_fmt, v_fmt):
         (128, 3, 100, 32, 128),
         (256, 1, 33, 256, 64),
         (48, 2, 17, 16, 48),
-        (24, 3, 70, 8, 24),  # not a multiple of 16: the portable C path on every CPU
+        (24, 3, 70, 8, 24),  # not a multiple of 16: the AVX2 path (int4 / int2 / int3 planes: row by row)
+        (80, 3, 45, 16, 40),  # AVX2: int4 planes in 8-channel chunks, int2 / int3 planes row by row
+        (20, 2, 37, 4, 20),  # not a multiple of 8: the portable C path on every CPU
     ],
 )
-@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "nuq4"])
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "nuq4", "int3", "fp8_e4m3"])
 def test_odd_shapes_and_gqa_ratios(d, g, t, k_group, v_group, fmt):
-    if fmt in ("int2",) and d % 4:
-        pytest.skip("int2 packs 4 channels per byte")
+    if fmt in ("int2",) and d % 4 or fmt == "int3" and d % 8:
+        pytest.skip("int2 packs 4 channels per byte, int3 8")
     torch.manual_seed(1)
     b, h = 3, 2
     k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
@@ -252,20 +254,49 @@ def test_full_precision_tokens_join_the_same_softmax(with_mask):
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-5
 
 
-def test_the_portable_c_path_matches_too(monkeypatch, tmp_path):
-    """The kernel built without AVX-512 (what a CPU without it runs): same results."""
+def test_full_precision_tokens_masked_for_a_whole_block():
+    """Full-precision tokens masked for 8+ tokens in a row (a sliding window's start): a block with no
+    weight at all, before and after the quantized tokens' scores, gives them no weight."""
+    from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
+
+    torch.manual_seed(8)
+    b, h, g, d, t, n = 2, 1, 2, 64, 30, 21
+    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    fk, fv = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    valid = torch.zeros(b, n, dtype=torch.bool)
+    valid[:, -1] = True  # only the new token
+    valid[1, 3] = True
+    q = torch.randn(b, h * g, d)
+    args = dict(k_fmt="int8", v_fmt="int4", k_group=64, v_group=32, k_axis="token", start=torch.tensor([0, 30]), end=t, scaling=0.125)  # fmt: skip
+    kp, vp = _store("int8", k, 64), _store("int4", v, 32)
+    s_out, s_lse = decode_attention_torch(q, *kp, *vp, **args)
+    f_out, f_lse = dense_decode_attention_ref(q, fk, fv, valid, 0.125)
+    ref, ref_lse = merge_attention([s_out, f_out], [s_lse, f_lse])
+    got, lse = native.decode_attention_native(q, *kp, *vp, fp_k=fk, fp_v=fv, fp_valid=valid, **args)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-5
+    assert (lse - ref_lse).abs().max().item() <= 2e-5 * ref_lse.abs().max().item()
+
+
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx2"])
+def test_the_portable_c_path_matches_too(flag, monkeypatch, tmp_path):
+    """The kernel built without AVX-512 (the AVX2 path, what AMD EPYC runs) or without AVX2 (the
+    portable loops, what other CPUs run): same results."""
     import os
     import shutil as sh
 
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
-    flags = (*build.CFLAGS, "-mno-avx512f")
+    flags = (*build.CFLAGS, flag)
     cc = sh.which(os.environ.get("CC", "cc"))
     monkeypatch.setitem(build._state, "lib", build._load(build._build(cc, flags)))
     test_every_format_pair_matches_the_torch_twin("int4", "nuq3")
     test_every_format_pair_matches_the_torch_twin("int3", "fp8_e4m3")
     test_channel_axis_keys_static_scales_and_softcap()
     test_odd_shapes_and_gqa_ratios(24, 3, 70, 8, 24, "int2")
+    test_odd_shapes_and_gqa_ratios(80, 3, 45, 16, 40, "int3")
+    test_odd_shapes_and_gqa_ratios(16, 1, 1, 16, 8, "nuq4")
+    test_scales_are_read_in_their_stored_dtype(torch.float8_e4m3fn, "channel")
     test_split_kv_threads_agree(2)
     test_full_precision_tokens_join_the_same_softmax(True)
+    test_full_precision_tokens_masked_for_a_whole_block()
     test_native_quantize_is_bit_exact_with_the_torch_spec("int4", torch.float16, 16)
     test_native_quantize_is_bit_exact_with_the_torch_spec("int3", torch.bfloat16, None)

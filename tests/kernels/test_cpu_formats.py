@@ -99,15 +99,17 @@ def test_trellis_with_full_precision_tokens_and_threads():
 
 
 @pytest.mark.parametrize("fmt", ["tcq2", "tcq3"])
-def test_trellis_heads_not_a_multiple_of_16_take_the_portable_loop(fmt):
-    _decode(fmt, fmt, d=24, g=2, seed=7)  # (D % 16: the row-by-row path on every CPU)
+def test_trellis_heads_not_a_multiple_of_16_or_8(fmt):
+    _decode(fmt, fmt, d=24, g=2, seed=7)  # (D % 16: the AVX2 path, or row by row)
     _decode(fmt, "int4", d=8, g=1, t=5, seed=8)  # a head of little more than one state
+    if fmt == "tcq2":  # (3-bit planes need D % 8 == 0)
+        _decode(fmt, "nuq2", d=20, g=2, t=13, seed=13)  # D % 8: the row-by-row path on every CPU
 
 
-@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512vbmi"])
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512vbmi", "-mno-avx2"])
 def test_the_builds_for_other_cpus_read_trellis_codes_too(flag, monkeypatch, tmp_path):
-    """The kernel built without AVX-512 (the portable loops) or without its byte permutes (codes
-    unpacked to bytes first): same results, decode and quantize."""
+    """The kernel built without AVX-512 (the AVX2 path), without its byte permutes (codes unpacked to
+    bytes first) or without AVX2 (the portable loops): same results, decode and quantize."""
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
     cc = shutil.which(os.environ.get("CC", "cc"))
     lib = build._load(build._build(cc, (*build.CFLAGS, flag)))
