@@ -34,23 +34,36 @@ def prompt_tokens(stream: torch.Tensor, length: int, batch: int) -> torch.Tensor
     return row[None].expand(batch, -1).contiguous()
 
 
-@torch.no_grad()
-def time_once(model: Any, cache: Any, ids: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) of one run."""
-    device = next(model.parameters()).device
-    ids = ids.to(device)
+def _timed_prefill(model: Any, cache: Any, ids: torch.Tensor, device) -> tuple[torch.Tensor, float]:
+    """(the greedy next token ``[B, 1]``, seconds) of one forward over ``ids`` into ``cache``."""
     _sync(device)
     t0 = time.perf_counter()
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1:].argmax(-1)  # [B, 1]
     _sync(device)
-    t1 = time.perf_counter()
-    for _ in range(decode_tokens):
+    return nxt, time.perf_counter() - t0
+
+
+def _timed_decode(
+    model: Any, cache: Any, nxt: torch.Tensor, steps: int, device
+) -> tuple[torch.Tensor, float]:
+    """(the next token, seconds) of ``steps`` greedy one-token steps from ``nxt [B, 1]``."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
         out = model(input_ids=nxt, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
     _sync(device)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    return nxt, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def time_once(model: Any, cache: Any, ids: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one run."""
+    device = next(model.parameters()).device
+    nxt, prefill_s = _timed_prefill(model, cache, ids.to(device), device)
+    _, decode_s = _timed_decode(model, cache, nxt, decode_tokens, device)
+    return prefill_s, decode_s
 
 
 def measure_speed(
@@ -120,24 +133,14 @@ def measure_decode(
     state: dict[str, list] = {}
     for name, build in builds.items():  # one prefill each
         cache = build()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        nxt = out.logits[:, -1:].argmax(-1)  # [B, 1]
-        _sync(device)
-        state[name] = [cache, nxt, time.perf_counter() - t0, []]
+        nxt, prefill_s = _timed_prefill(model, cache, ids, device)
+        state[name] = [cache, nxt, prefill_s, []]
     for i in range(warmup + repeats):
         for name in builds:
             cache, nxt, _, rounds = state[name]
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(decode_tokens):
-                out = model(input_ids=nxt, cache=cache, use_cache=True)
-                nxt = out.logits[:, -1:].argmax(-1)
-            _sync(device)
+            state[name][1], seconds = _timed_decode(model, cache, nxt, decode_tokens, device)
             if i >= warmup:
-                rounds.append(time.perf_counter() - t0)
-            state[name][1] = nxt
+                rounds.append(seconds)
     rows = {}
     for name, (_, _, prefill_s, rounds) in state.items():
         d_med = statistics.median(rounds)
