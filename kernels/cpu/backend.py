@@ -17,16 +17,16 @@ from kvquant.kernels.cpu.binding import (
     decode_attention_native,
     quantize_into,
     trellis_encode_native,
+    writes_head,
 )
 from kvquant.kernels.cpu.build import native_available, native_error
-from kvquant.kernels.reference import quantize_append_ref
 
 
 class CpuBackend(Backend):
     """The C kernels on CPU: decode of every quantized format (codes read one by one or, trellis,
     by their state; not ``none``) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call;
-    quantize of the integer, codebook and fp8 formats on the token axis with computed scales (the
-    trellis codes: the spec's scales around the C search); the trellis search."""
+    quantize of the integer, codebook, fp8 and trellis formats on the token axis with computed
+    scales; the trellis search."""
 
     name = "cpu"
     devices = frozenset({"cpu"})
@@ -45,14 +45,14 @@ class CpuBackend(Backend):
         return None
 
     def supports_quantize(self, call: QuantizeCall) -> str | None:
-        if call.fmt in TRELLIS_FORMATS:  # scales in torch, the search in C (the spec's codes)
-            return None
         if call.fmt not in QUANTIZE_FORMATS:
-            return f"writes {', '.join(sorted(QUANTIZE_FORMATS | TRELLIS_FORMATS))}"
+            return f"writes {', '.join(sorted(QUANTIZE_FORMATS))}"
         if call.axis != "token" or call.static_scale:
             return "computed scales along the token axis"
         if call.scale_dtype not in _WRITTEN_SCALE_DTYPES:
             return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
+        if not writes_head(call.fmt, call.head_dim):
+            return "trellis codes: a head of at least one state, in whole bytes"
         return None
 
     def supports_encode(self, call: EncodeCall) -> str | None:
@@ -67,9 +67,6 @@ class CpuBackend(Backend):
         return decode_attention_native(*tensors, **kw)
 
     def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
-        if fmt in TRELLIS_FORMATS:  # the spec's scales, the C search (the spec's codes)
-            quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, encoder=search)
-            return True
         return quantize_into(x, codes, scale, zero, index, fmt)
 
     def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:

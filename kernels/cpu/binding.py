@@ -13,6 +13,7 @@ import ctypes
 import torch
 
 from kvquant.formats import FORMAT_NAMES, format_spec
+from kvquant.formats.trellis import TWO_PASS_FROM
 from kvquant.kernels.cpu.build import _library, _Operand, native_error
 
 MAX_HEAD_DIM = 512
@@ -39,7 +40,10 @@ def _reads(spec) -> bool:
 def _writer(spec) -> str | None:
     """The C entry point that quantizes ``spec`` along the token axis: rounded integers
     (``kvq_quantize``), the scale search of a codebook (``kvq_quantize_codebook``), float8 codes
-    (``kvq_quantize_fp8``); None where none does (trellis: torch scales around the C search)."""
+    (``kvq_quantize_fp8``), trellis codes with their scales (``kvq_quantize_trellis``); None where
+    none does."""
+    if spec.state_bits is not None:
+        return "kvq_quantize_trellis"
     if spec.integer:
         return "kvq_quantize"
     if spec.scale_search is not None and spec.elementwise:
@@ -55,6 +59,15 @@ QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if _writer(format_spec(n)) 
 TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).state_bits is not None)
 _SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
 _WRITTEN_SCALE_DTYPES = tuple(_SCALE_DTYPES)  # the quantize kernels round into each of these
+
+
+def writes_head(fmt: str, head_dim: int) -> bool:
+    """Whether the writer of ``fmt`` takes heads of ``head_dim`` channels: trellis codes need one
+    state's codes and whole bytes of packed codes (``check_channels``, ``pack_codes``), else any."""
+    spec = format_spec(fmt)
+    if spec.state_bits is None:
+        return True
+    return head_dim * spec.bits >= spec.state_bits and head_dim * spec.bits % 8 == 0
 
 
 def _operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
@@ -231,6 +244,7 @@ def native_quantizes(store, x: torch.Tensor) -> bool:
         and store.axis == "token"
         and store.static_scale is None
         and store.fmt in QUANTIZE_FORMATS
+        and writes_head(store.fmt, x.shape[-1])
         and store.scale_dtype in _WRITTEN_SCALE_DTYPES
         and _library() is not None
     )
@@ -252,10 +266,12 @@ def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
 def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
     """``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` / ``zero
     [B, H, cap, D / G]`` at buffer index ``index`` (a format of ``QUANTIZE_FORMATS``, token axis,
-    fp32 / fp16 / bf16 / fp8 e4m3 scales, CPU, the kernels built): the integer formats, the
-    codebooks' scale search and fp8, bit-identical to :func:`kvquant.formats.quantize` (the
-    codebooks' sums of squares in torch's order, see ``quantize_cpu.c``). False where the spec
-    refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted written.
+    fp32 / fp16 / bf16 / fp8 e4m3 scales, CPU, the kernels built, a head :func:`writes_head`
+    takes): the integer formats, the codebooks' scale search, fp8 and the trellis codes with their
+    scales, bit-identical to :func:`kvquant.formats.quantize` (sums of squares in torch's order;
+    where torch's square root lands an ulp off, a scale an ulp off: see ``quantize_cpu.c``). False
+    where the spec refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted
+    written.
 
     Example:
         >>> codes = torch.empty(1, 2, 8, 32, dtype=torch.uint8)               # nuq4, head_dim 64
@@ -294,6 +310,11 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
         rc = lib.kvq_quantize_codebook(
             *head, s_ptr, *_strides(scale), dtype, spec.bits, groups,
             levels.data_ptr(), grid.data_ptr(), grid.numel(), spec.qmax, _threads(b * h * n * 16),
+        )  # fmt: skip
+    elif writer == "kvq_quantize_trellis":
+        rc = lib.kvq_quantize_trellis(
+            *head, s_ptr, *_strides(scale), dtype, spec.bits, spec.state_bits, groups,
+            spec.state_table().data_ptr(), TWO_PASS_FROM, _threads(b * h * n * 16),
         )  # fmt: skip
     else:
         rc = lib.kvq_quantize_fp8(

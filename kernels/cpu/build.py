@@ -121,6 +121,9 @@ def _load(path: Path) -> ctypes.CDLL:
     f8 = lib.kvq_quantize_fp8
     f8.restype = ctypes.c_int
     f8.argtypes = [*head, p, i64, i64, i64, *[ctypes.c_int] * 4, ctypes.c_float]
+    tq = lib.kvq_quantize_trellis
+    tq.restype = ctypes.c_int
+    tq.argtypes = [*head, p, i64, i64, i64, *[ctypes.c_int] * 4, p, i64, ctypes.c_int]
     tr = lib.kvq_trellis_encode
     tr.restype = ctypes.c_int
     tr.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_int, i64, p, ctypes.c_int]

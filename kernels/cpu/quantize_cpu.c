@@ -213,6 +213,21 @@ __attribute__((optimize("fp-contract=off"))) static float torch_sum(const float 
     return s;
 }
 
+/* The squares of xg[0..gs) into sq (for torch_sum) and max|x| into *amax; 1 when an element is
+ * not finite (NaN / Inf: the spec refuses the input), else 0. */
+__attribute__((optimize("fp-contract=off"))) static int group_squares(const float *xg, int64_t gs, float *sq, float *amax) {
+    int bad = 0;
+    float m = 0.0f;
+    for (int64_t d = 0; d < gs; d++) {
+        bad |= !isfinite(xg[d]);
+        const float a = fabsf(xg[d]);
+        m = a > m ? a : m;
+        sq[d] = xg[d] * xg[d];
+    }
+    *amax = m;
+    return bad;
+}
+
 /* Nearest level by the midpoints, as torch.bucketize(v, edges) (right=False): the number of edges
  * strictly below v (a value on an edge takes the lower level); NaN (0 / 0: an all-zero group's
  * last pick) after every edge, as torch places it. */
@@ -284,13 +299,8 @@ __attribute__((optimize("fp-contract=off"))) int kvq_quantize_codebook(
             for (int64_t g = 0; g < n_groups; g++) {
                 const float *xg = row + g * gs;
                 uint8_t *qg = q + g * gs;
-                float amax = 0.0f;
-                for (int64_t d = 0; d < gs; d++) {
-                    if (!isfinite(xg[d])) bad = 1;
-                    const float a = fabsf(xg[d]);
-                    amax = a > amax ? a : amax;
-                    tmp[d] = xg[d] * xg[d];
-                }
+                float amax;
+                bad |= group_squares(xg, gs, tmp, &amax);
                 const float sumsq = torch_sum(tmp, gs);
                 float rms = sqrtf(sumsq / (float)gs);
                 if (rms == 0.0f) rms = 1.0f;
@@ -432,51 +442,158 @@ __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
     return least;
 }
 
-/* Codes [n, d] (uint8, k bits each) for y [n, d] (contiguous fp32) with the 2**L-entry table:
- * below two_pass_from channels every history is tried, else two passes (see trellis.py).
- * Returns 0, or -1 when out of memory. */
+/* Per-thread work space of the search of one head vector of d channels (S = 2**L states, P = S >> k
+ * predecessor groups). */
+typedef struct {
+    float *cost;     /* [2 S]: the costs of one step and of the next */
+    uint8_t *back;   /* [d P]: best predecessor of each group at each channel */
+    int64_t *states; /* [d]: the path of one pass */
+    int64_t *best;   /* [d]: the path kept */
+    float *rolled;   /* [d]: the head rotated by d / 2 (first of two passes) */
+} trellis_work;
+
+/* Allocate w for heads of d channels; 0, or -1 when out of memory (w freed). */
+static int trellis_work_alloc(trellis_work *w, int64_t d, int S, int P) {
+    w->cost = malloc(sizeof(float) * 2 * (size_t)S);
+    w->back = malloc((size_t)(d * P));
+    w->states = malloc(sizeof(int64_t) * 2 * (size_t)d);
+    w->best = w->states ? w->states + d : NULL;
+    w->rolled = malloc(sizeof(float) * (size_t)d);
+    if (w->cost && w->back && w->states && w->rolled) return 0;
+    free(w->cost), free(w->back), free(w->states), free(w->rolled);
+    memset(w, 0, sizeof(*w));
+    return -1;
+}
+
+static void trellis_work_free(trellis_work *w) {
+    free(w->cost), free(w->back), free(w->states), free(w->rolled);
+}
+
+/* The k-bit codes q[0..d) of one head vector y[0..d) (kvquant.trellis.trellis_encode_torch): below
+ * two_pass_from channels every history is tried, else two passes (see trellis.py). */
+static void trellis_search_row(const float *y, int64_t d, const float *table, int k, int L,
+                               int64_t two_pass_from, trellis_work *w, uint8_t *q) {
+    const int S = 1 << L, P = S >> k;
+    if (d < two_pass_from) {
+        float least = INFINITY;
+        for (int64_t h = 0; h < P; h++) {
+            const float e = trellis_pass(y, d, table, k, L, h, w->cost, w->cost + S, w->back, w->states);
+            if (h == 0 || e < least) {
+                least = e;
+                memcpy(w->best, w->states, sizeof(int64_t) * (size_t)d);
+            }
+        }
+    } else {
+        const int64_t r = d / 2; /* rolled[t] = y[(t - r) mod d]: channel d-1 at r-1 */
+        for (int64_t t = 0; t < d; t++) w->rolled[t] = y[(t - r + d) % d];
+        trellis_pass(w->rolled, d, table, k, L, -1, w->cost, w->cost + S, w->back, w->states);
+        const int64_t seam = w->states[r - 1] & (P - 1);
+        trellis_pass(y, d, table, k, L, seam, w->cost, w->cost + S, w->back, w->best);
+    }
+    for (int64_t t = 0; t < d; t++) q[t] = (uint8_t)(w->best[t] & ((1 << k) - 1));
+}
+
+/* Codes [n, d] (uint8, k bits each) for y [n, d] (contiguous fp32) with the 2**L-entry table,
+ * rows split among threads. Returns 0, or -1 when out of memory. */
 int kvq_trellis_encode(const float *y, int64_t n, int64_t d, const float *table, int k, int L,
                        int64_t two_pass_from, uint8_t *codes, int n_threads) {
-    const int S = 1 << L, P = S >> k;
     int failed = 0;
-#pragma omp parallel num_threads(n_threads)
+#pragma omp parallel num_threads(n_threads < 1 ? 1 : n_threads) reduction(| : failed)
     {
-        float *cost = malloc(sizeof(float) * 2 * (size_t)S);
-        uint8_t *back = malloc((size_t)(d * P));
-        int64_t *states = malloc(sizeof(int64_t) * 2 * (size_t)d);
-        float *rolled = malloc(sizeof(float) * (size_t)d);
-        const int ok = cost && back && states && rolled;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        int64_t *best_states = ok ? states + d : NULL;
+        trellis_work w;
+        failed = trellis_work_alloc(&w, d, 1 << L, (1 << L) >> k) != 0;
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) {
-            if (!ok) continue;
-            const float *yi = y + i * d;
-            if (d < two_pass_from) {
-                float least = INFINITY;
-                for (int64_t h = 0; h < P; h++) {
-                    const float e = trellis_pass(yi, d, table, k, L, h, cost, cost + S, back, states);
-                    if (h == 0 || e < least) {
-                        least = e;
-                        memcpy(best_states, states, sizeof(int64_t) * (size_t)d);
-                    }
-                }
-            } else {
-                const int64_t r = d / 2; /* rolled[t] = y[(t - r) mod d]: channel d-1 at r-1 */
-                for (int64_t t = 0; t < d; t++) rolled[t] = yi[(t - r + d) % d];
-                trellis_pass(rolled, d, table, k, L, -1, cost, cost + S, back, states);
-                const int64_t seam = states[r - 1] & (P - 1);
-                trellis_pass(yi, d, table, k, L, seam, cost, cost + S, back, best_states);
-            }
-            for (int64_t t = 0; t < d; t++) codes[i * d + t] = (uint8_t)(best_states[t] & ((1 << k) - 1));
-        }
-        free(cost);
-        free(back);
-        free(states);
-        free(rolled);
+        for (int64_t i = 0; i < n; i++)
+            if (!failed) trellis_search_row(y + i * d, d, table, k, L, two_pass_from, &w, codes + i * d);
+        trellis_work_free(&w);
     }
     return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Trellis codes (tcq*) along the token axis: Trellis.encode_groups of kvquant/formats/families.py
+ * and the packing, step for step in fp32, nothing fused. Each group's RMS (its sum of squares in
+ * torch's order, see torch_sum) rounded up to the scale dtype is the search scale; the whole head
+ * vector, in units of its groups' search scales, goes through the Viterbi search above; each group's
+ * scale is then stretched so that the dequantized group keeps the input's norm and rounded to the
+ * nearest positive value of the dtype (formats.round_nearest_positive); an all-zero group stores 0.
+ * As for the codebooks, the square roots here are correctly rounded and torch's are not always:
+ * a scale can then differ by an ulp (fp32 scales; a step of a narrower dtype, rarely), with the
+ * codes its own search scale gives; the tests hold those groups to equal squared error.
+ */
+
+/* Round v > 0 to the nearer of its two neighbours in the scale dtype, never down to 0 (overflow:
+ * the dtype's inf / NaN when only that is above, as formats.round_nearest_positive); store it at
+ * element i of p and return it as fp32. */
+__attribute__((optimize("fp-contract=off"))) static float store_nearest_positive(void *p, int64_t i,
+                                                                                  int dtype, float v) {
+    const float down = store_scalar(p, i, dtype, v, -1);
+    const float up = store_scalar(p, i, dtype, v, +1);
+    if (down > 0.0f && v - down < up - v) return store_scalar(p, i, dtype, v, -1);
+    return up;
+}
+
+/* The table value of each channel of a head vector from its codes q[0..d) (kvquant.trellis
+ * trellis_decode): the state of channel t is its code and the m - 1 codes before it, circularly,
+ * the newest in the low bits. */
+static void trellis_levels(const uint8_t *q, int64_t d, const float *table, int k, int L, float *out) {
+    const int m = L / k;
+    for (int64_t t = 0; t < d; t++) {
+        int64_t s = 0;
+        for (int j = m - 1; j >= 0; j--) s = (s << k) | q[(t - j + d) % d];
+        out[t] = table[s];
+    }
+}
+
+/* x [B, H, n, D] -> trellis codes (k bits, packed) / scale at the store's position (strides as
+ * kvq_quantize), n_groups scales per head vector; table [2**L] fp32, two_pass_from as
+ * kvq_trellis_encode. Returns 0, 1 when an input or a stored scale is not finite (the caller
+ * re-runs the torch path, which raises), -1 when out of memory. */
+__attribute__((optimize("fp-contract=off"))) int kvq_quantize_trellis(
+    const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb, int64_t xsh, int64_t xst,
+    uint8_t *codes, int64_t csb, int64_t csh, int64_t cst, void *scale, int64_t ssb, int64_t ssh,
+    int64_t sst, int scale_dtype, int k, int L, int n_groups, const float *table, int64_t two_pass_from,
+    int n_threads) {
+    const int64_t gs = D / n_groups;
+    int bad = 0, failed = 0;
+#pragma omp parallel num_threads(n_threads < 1 ? 1 : n_threads) reduction(| : bad, failed)
+    {
+        trellis_work w;
+        uint8_t *q = malloc((size_t)D);
+        float *y = malloc(sizeof(float) * (size_t)D), *tmp = malloc(sizeof(float) * (size_t)D);
+        float *stats = malloc(sizeof(float) * 3 * (size_t)n_groups); /* sum of squares, max|x|, search */
+        failed = trellis_work_alloc(&w, D, 1 << L, (1 << L) >> k) != 0 || !q || !y || !tmp || !stats;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < B * H * n; r++) { /* one head vector (row) per step */
+            const int64_t b = r / (H * n), h = r / n % H, t = r % n;
+            if (failed || bad) continue;
+            const float *row = x + b * xsb + h * xsh + t * xst;
+            const int64_t si = b * ssb + h * ssh + t * sst;
+            float *sumsq = stats, *amax = stats + n_groups, *search = stats + 2 * n_groups;
+            for (int64_t g = 0; g < n_groups; g++) { /* the search scales: RMS rounded up */
+                bad |= group_squares(row + g * gs, gs, tmp, &amax[g]);
+                sumsq[g] = torch_sum(tmp, gs);
+                float rms = sqrtf(sumsq[g] / (float)gs);
+                if (rms == 0.0f) rms = 1.0f;
+                search[g] = store_scalar(scale, si + g, scale_dtype, rms, +1);
+                bad |= !isfinite(search[g]);
+                for (int64_t d = 0; d < gs; d++) y[g * gs + d] = row[g * gs + d] / search[g];
+            }
+            if (bad) continue;
+            trellis_search_row(y, D, table, k, L, two_pass_from, &w, q);
+            trellis_levels(q, D, table, k, L, y);
+            for (int64_t g = 0; g < n_groups; g++) { /* stretch to the input's norm */
+                for (int64_t d = 0; d < gs; d++) tmp[d] = y[g * gs + d] * y[g * gs + d];
+                const float norm_l = sqrtf(torch_sum(tmp, gs)), norm_x = sqrtf(sumsq[g]);
+                const float raw = norm_l > 0.0f ? norm_x / norm_l : search[g];
+                const float s = store_nearest_positive(scale, si + g, scale_dtype, raw);
+                if (amax[g] == 0.0f) store_scalar(scale, si + g, scale_dtype, 0.0f, +1); /* exact zeros */
+                else bad |= !isfinite(s);
+            }
+            pack_row(q, k, D, codes + b * csb + h * csh + t * cst);
+        }
+        trellis_work_free(&w);
+        free(q), free(y), free(tmp), free(stats);
+    }
+    return failed ? -1 : bad;
 }

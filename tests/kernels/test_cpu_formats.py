@@ -1,5 +1,5 @@
 """The C kernels on the formats they gained for issue 13: trellis decode (tcq2 / tcq3, alone and
-mixed with the other formats), codebook and fp8 quantize-and-append. Each against its torch twin
+mixed with the other formats), codebook, fp8 and trellis quantize-and-append. Each against its torch twin
 (``decode_attention_torch``, :func:`kvquant.formats.quantize`) on odd shapes, outputs poisoned with
 NaN before the call; and through :mod:`kvquant.kernels.ops`, which now names ``cpu`` for them."""
 
@@ -12,6 +12,7 @@ import torch
 import kvquant.kernels.cpu as native
 import kvquant.kernels.cpu.build as build
 from kvquant.formats import format_spec, quantize
+from kvquant.formats.trellis import trellis_decode
 from kvquant.kernels import ops
 from kvquant.kernels.chunked import decode_attention_torch
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
@@ -121,6 +122,8 @@ def test_the_builds_for_other_cpus_read_trellis_codes_too(flag, monkeypatch, tmp
     test_codebook_quantize_matches_the_spec("nuq2", torch.float8_e4m3fn, 64, 16)
     test_fp8_and_integer_quantize_are_bit_exact("fp8_e5m2", torch.bfloat16, 16)
     test_fp8_casts_round_to_nearest_even_with_saturation()
+    test_trellis_quantize_matches_the_spec("tcq2", torch.float8_e4m3fn, 64, 32)
+    test_trellis_quantize_matches_the_spec("tcq3", torch.float16, 96, None)
 
 
 def test_ops_dispatch_names_cpu_for_trellis_decode():
@@ -282,3 +285,105 @@ def test_codebook_quantize_split_among_threads_agrees():
     x[1, 2, 299, 63] = float("nan")  # the last row any thread quantizes
     codes = torch.zeros(2, 3, 300, 24, dtype=torch.uint8)
     assert not native.quantize_into(x, codes, torch.ones(2, 3, 300, 2, dtype=torch.float16), None, 0, "nuq3")
+
+
+# ------------------------------------------------------------------------------------ trellis quantize
+
+
+def _trellis_sq_err(fmt, codes, scale, x, g):
+    """Squared error of each group ``[..., D/G]`` of ``x`` dequantized from packed codes and scales."""
+    spec = format_spec(fmt)
+    levels = trellis_decode(spec.unpack(codes), spec.bits)  # [..., D]
+    v = levels.unflatten(-1, (-1, g)) * scale.float()[..., None]
+    return (v - x.unflatten(-1, (-1, g))).square().sum(-1)
+
+
+@pytest.mark.parametrize("fmt", ["tcq2", "tcq3"])
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize(("d", "group"), [(64, None), (64, 32), (64, 16), (128, 32), (96, 32), (32, 8)])
+def test_trellis_quantize_matches_the_spec(fmt, scale_dtype, d, group):
+    """Codes and scales of kvq_quantize_trellis equal the spec's (odd token count, batch 2, buffer
+    index 5, strided inputs alike), except where torch's vectorized sqrt lands an ulp off
+    (quantize_cpu.c): with fp32 scales a scale then differs by an ulp or two, its codes are those its
+    own search scale gives and its squared error equals the spec's to fp32 rounding. The narrower
+    scale dtypes absorb that ulp (on this data: every scale equal)."""
+    spec = format_spec(fmt)
+    g = group or d
+    x = _x(2, 3, 13, d, d + 7 * spec.bits + g, scale_dtype)
+    x[1, 0, 3, :g] = 0.0  # an all-zero group: scale 0
+    (codes, scale, _), ref = _rows(x, fmt, group, scale_dtype)
+    assert (scale[1, 0, 3, 0].float() == 0).item() and (ref.scale[1, 0, 3, 0].float() == 0).item()
+    equal = _bytes(scale) == _bytes(ref.scale)  # [B, H, n, D/G]
+    if scale_dtype != torch.float32:
+        assert equal.all()
+    else:
+        assert equal.float().mean() >= 0.5  # (about a quarter of fp32 groups land an ulp away)
+        s, want = scale.float(), ref.scale.float()
+        assert ((s - want).abs() <= want * 2**-21).all()  # an ulp or two at most
+    same = equal.all(-1)  # rows with every scale equal: every code equal
+    assert torch.equal(codes[same], ref.codes[same])
+    got_err = _trellis_sq_err(fmt, codes, scale, x, g)
+    want_err = _trellis_sq_err(fmt, ref.codes, ref.scale, x, g)
+    assert torch.allclose(got_err, want_err, rtol=1e-5, atol=0)
+    # strided inputs: heads and tokens swapped in memory, and every other element of a wider row
+    wide = torch.zeros(2, 3, 13, 2 * d)
+    wide[..., ::2] = x
+    for strided in (x.transpose(1, 2).contiguous().transpose(1, 2), wide[..., ::2]):
+        (codes_s, scale_s, _), _ = _rows(strided, fmt, group, scale_dtype)
+        assert torch.equal(codes_s, codes) and torch.equal(_bytes(scale_s), _bytes(scale))
+
+
+def test_trellis_quantize_refuses_what_the_spec_refuses():
+    """NaN / Inf input, a search or stored scale beyond fp8 e4m3 (448) or fp16 (65504): False from
+    the kernel, the spec's ValueError through ops; a stored fp16 scale just above the top saturates
+    as the spec's nearest-value rounding does."""
+    for fmt in ("tcq2", "tcq3"):
+        spec = format_spec(fmt)
+        codes = torch.zeros(1, 1, 4, spec.code_width(32), dtype=torch.uint8)
+        for scale_dtype, huge in ((torch.float8_e4m3fn, 1e3), (torch.float16, 1e5)):
+            scale = torch.ones(1, 1, 4, 2, dtype=scale_dtype)
+            torch.manual_seed(1)
+            for value, match in (
+                (float("nan"), "NaN or Inf"),
+                (float("inf"), "NaN or Inf"),
+                (None, "scale_dtype"),
+            ):
+                x = torch.randn(1, 1, 3, 32)
+                if value is None:
+                    x[0, 0, 2, 16:] *= huge  # the second group's scale beyond the dtype
+                else:
+                    x[0, 0, 2, 20] = value
+                assert not native.quantize_into(x, codes, scale, None, 0, fmt)
+                with pytest.raises(ValueError, match=match):
+                    ops.quantize_append(x, codes, scale, None, 0, fmt=fmt, group_size=16)
+        # fp16: search scales within the range, stretched scales above it: the spec keeps 65504
+        x = torch.randn(1, 1, 3, 2, 16)
+        x = (x * 6.4e4 / x.square().mean(-1, keepdim=True).sqrt()).flatten(-2)  # every group's RMS 64000
+        (got_c, got_s, _), ref = _rows(x, fmt, 16, torch.float16, index=0, cap=3)
+        assert (ref.scale == 65504).any() and torch.equal(got_s, ref.scale) and torch.equal(got_c, ref.codes)
+
+
+def test_trellis_quantize_dispatch_and_threads():
+    """ops names ``cpu`` for tcq2 / tcq3 at every written scale dtype and a head the kernel takes
+    (at least one state, whole bytes of codes), and writes the spec's codes; rows split among
+    threads agree, a bad value in the last row refuses the call."""
+    for fmt in ("tcq2", "tcq3"):
+        for sd in SCALE_DTYPES:
+            assert ops.backend_for("quantize_append", fmt=fmt, head_dim=64, scale_dtype=sd) == "cpu"
+    assert ops.backend_for("quantize_append", fmt="tcq2", head_dim=2) != "cpu"  # < one state
+    assert ops.backend_for("quantize_append", fmt="tcq3", head_dim=12) != "cpu"  # 4.5 bytes of codes
+    assert ops.backend_for("quantize_append", fmt="tcq3", head_dim=16) == "cpu"
+    x = _x(1, 3, 21, 64, 50, torch.float8_e4m3fn)
+    codes = torch.full((1, 3, 32, 16), 0xA5, dtype=torch.uint8)
+    scale = torch.full((1, 3, 32, 2), float("nan")).to(torch.float8_e4m3fn)
+    ops.quantize_append(x, codes, scale, None, 4, fmt="tcq2", group_size=32)
+    ref = quantize(x, "tcq2", group_size=32, scale_dtype=torch.float8_e4m3fn)
+    assert torch.equal(codes[:, :, 4:25], ref.codes) and torch.equal(
+        _bytes(scale[:, :, 4:25]), _bytes(ref.scale)
+    )
+    x = _x(2, 3, 300, 64, 51, torch.float16)  # enough rows for torch's thread count
+    (codes, scale, _), ref = _rows(x, "tcq3", 32, torch.float16, cap=320)
+    assert torch.equal(codes, ref.codes) and torch.equal(scale, ref.scale)
+    x[1, 2, 299, 63] = float("inf")  # the last row any thread quantizes
+    codes = torch.zeros(2, 3, 300, 24, dtype=torch.uint8)
+    assert not native.quantize_into(x, codes, torch.ones(2, 3, 300, 2, dtype=torch.float16), None, 0, "tcq3")
