@@ -93,17 +93,21 @@ def measure_speed(
         for name, ts in times.items():
             p_med = statistics.median(t[0] for t in ts)
             d_med = statistics.median(t[1] for t in ts)
-            rows[name].append(
-                {
-                    "context": L,
-                    "batch": b,
-                    "prefill_ms": 1e3 * p_med,
-                    "decode_ms_per_step": 1e3 * d_med / decode_tokens,
-                    "decode_tok_s": b * decode_tokens / d_med,
-                    "repeats": repeats,
-                }
-            )
+            rows[name].append(_speed_row(L, b, p_med, d_med, decode_tokens, repeats))
     return rows
+
+
+def _speed_row(context: int, batch: int, prefill_s: float, decode_s: float, steps: int, repeats: int) -> dict:
+    """One row of :func:`measure_speed` / :func:`measure_decode` from seconds (``decode_s``: the
+    time of ``steps`` steps)."""
+    return {
+        "context": context,
+        "batch": batch,
+        "prefill_ms": 1e3 * prefill_s,
+        "decode_ms_per_step": 1e3 * decode_s / steps,
+        "decode_tok_s": batch * steps / decode_s,
+        "repeats": repeats,
+    }
 
 
 @torch.no_grad()
@@ -143,16 +147,8 @@ def measure_decode(
                 rounds.append(seconds)
     rows = {}
     for name, (_, _, prefill_s, rounds) in state.items():
-        d_med = statistics.median(rounds)
-        rows[name] = {
-            "context": length,
-            "batch": b,
-            "prefill_ms": 1e3 * prefill_s,
-            "decode_ms_per_step": 1e3 * d_med / decode_tokens,
-            "decode_tok_s": b * decode_tokens / d_med,
-            "repeats": repeats,
-            "context_end": length + (warmup + repeats) * decode_tokens,
-        }
+        row = _speed_row(length, b, prefill_s, statistics.median(rounds), decode_tokens, repeats)
+        rows[name] = {**row, "context_end": length + (warmup + repeats) * decode_tokens}
     return rows
 
 
