@@ -232,47 +232,47 @@ def test_native_quantize_refuses_what_the_spec_refuses():
     assert ops.backend_for("quantize_append", fmt="int4", head_dim=16, group_size=4, axis="channel") != "cpu"
 
 
-@pytest.mark.parametrize("with_mask", [True, False])
-def test_full_precision_tokens_join_the_same_softmax(with_mask):
+def _with_fp_tokens(fmts, groups, t, n, heads, start, valid, seed):
+    """A store of ``t`` tokens (K / V formats ``fmts``, groups ``groups``) plus ``n`` full-precision
+    tokens (``valid [B, n]`` or None): (the C kernel's out and lse, the reference's: the torch store
+    partial merged with the dense one)."""
     from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
 
-    torch.manual_seed(7)
-    b, h, g, d, t, n = 2, 2, 3, 64, 50, 7
+    torch.manual_seed(seed)
+    b, (h, g), d = 2, heads, 64
     k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
     fk, fv = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
-    valid = torch.rand(b, n) > 0.3 if with_mask else None
-    if valid is not None:
-        valid[:, -1] = True  # the new token always counts
     q = torch.randn(b, h * g, d)
-    args = dict(k_fmt="int4", v_fmt="nuq2", k_group=64, v_group=32, k_axis="token", start=torch.tensor([0, 9]), end=t, scaling=0.125)  # fmt: skip
-    kp, vp = _store("int4", k, 64), _store("nuq2", v, 32)
+    args = dict(k_fmt=fmts[0], v_fmt=fmts[1], k_group=groups[0], v_group=groups[1], k_axis="token",
+                start=torch.tensor(start), end=t, scaling=0.125)  # fmt: skip
+    kp, vp = _store(fmts[0], k, groups[0]), _store(fmts[1], v, groups[1])
     s_out, s_lse = decode_attention_torch(q, *kp, *vp, **args)
     f_out, f_lse = dense_decode_attention_ref(q, fk, fv, valid, 0.125)
-    ref, _ = merge_attention([s_out, f_out], [s_lse, f_lse])
+    ref, ref_lse = merge_attention([s_out, f_out], [s_lse, f_lse])
     out = torch.full_like(ref, float("nan"))
-    got, _ = native.decode_attention_native(q, *kp, *vp, fp_k=fk, fp_v=fv, fp_valid=valid, out=out, **args)
+    got, lse = native.decode_attention_native(q, *kp, *vp, fp_k=fk, fp_v=fv, fp_valid=valid, out=out, **args)
+    return (got, lse), (ref, ref_lse)
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_full_precision_tokens_join_the_same_softmax(with_mask):
+    torch.manual_seed(7)
+    valid = torch.rand(2, 7) > 0.3 if with_mask else None
+    if valid is not None:
+        valid[:, -1] = True  # the new token always counts
+    (got, _), (ref, _) = _with_fp_tokens(("int4", "nuq2"), (64, 32), 50, 7, (2, 3), [0, 9], valid, seed=7)
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-5
 
 
 def test_full_precision_tokens_masked_for_a_whole_block():
     """Full-precision tokens masked for 8+ tokens in a row (a sliding window's start): a block with no
     weight at all, before and after the quantized tokens' scores, gives them no weight."""
-    from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
-
-    torch.manual_seed(8)
-    b, h, g, d, t, n = 2, 1, 2, 64, 30, 21
-    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
-    fk, fv = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
-    valid = torch.zeros(b, n, dtype=torch.bool)
+    valid = torch.zeros(2, 21, dtype=torch.bool)
     valid[:, -1] = True  # only the new token
     valid[1, 3] = True
-    q = torch.randn(b, h * g, d)
-    args = dict(k_fmt="int8", v_fmt="int4", k_group=64, v_group=32, k_axis="token", start=torch.tensor([0, 30]), end=t, scaling=0.125)  # fmt: skip
-    kp, vp = _store("int8", k, 64), _store("int4", v, 32)
-    s_out, s_lse = decode_attention_torch(q, *kp, *vp, **args)
-    f_out, f_lse = dense_decode_attention_ref(q, fk, fv, valid, 0.125)
-    ref, ref_lse = merge_attention([s_out, f_out], [s_lse, f_lse])
-    got, lse = native.decode_attention_native(q, *kp, *vp, fp_k=fk, fp_v=fv, fp_valid=valid, **args)
+    (got, lse), (ref, ref_lse) = _with_fp_tokens(
+        ("int8", "int4"), (64, 32), 30, 21, (1, 2), [0, 30], valid, seed=8
+    )
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= 2e-5
     assert (lse - ref_lse).abs().max().item() <= 2e-5 * ref_lse.abs().max().item()
 

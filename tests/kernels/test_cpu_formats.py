@@ -278,13 +278,19 @@ def test_ops_dispatch_names_cpu_for_codebook_and_fp8_quantize():
         ops.quantize_append(x, codes, scale, None, 4, fmt="nuq4", group_size=32)
 
 
-def test_codebook_quantize_split_among_threads_agrees():
-    x = _x(2, 3, 300, 64, 40, torch.float16)  # enough rows for torch's thread count
-    (codes, scale, _), ref = _rows(x, "nuq3", 32, torch.float16, cap=320)
+def _threads_agree_then_refuse(fmt: str, seed: int, bad: float) -> None:
+    """Rows split among threads give the spec's codes and scales; ``bad`` in the last row any thread
+    quantizes refuses the whole call."""
+    x = _x(2, 3, 300, 64, seed, torch.float16)  # enough rows for torch's thread count
+    (codes, scale, _), ref = _rows(x, fmt, 32, torch.float16, cap=320)
     assert torch.equal(codes, ref.codes) and torch.equal(scale, ref.scale)
-    x[1, 2, 299, 63] = float("nan")  # the last row any thread quantizes
+    x[1, 2, 299, 63] = bad
     codes = torch.zeros(2, 3, 300, 24, dtype=torch.uint8)
-    assert not native.quantize_into(x, codes, torch.ones(2, 3, 300, 2, dtype=torch.float16), None, 0, "nuq3")
+    assert not native.quantize_into(x, codes, torch.ones(2, 3, 300, 2, dtype=torch.float16), None, 0, fmt)
+
+
+def test_codebook_quantize_split_among_threads_agrees():
+    _threads_agree_then_refuse("nuq3", 40, float("nan"))
 
 
 # ------------------------------------------------------------------------------------ trellis quantize
@@ -381,9 +387,4 @@ def test_trellis_quantize_dispatch_and_threads():
     assert torch.equal(codes[:, :, 4:25], ref.codes) and torch.equal(
         _bytes(scale[:, :, 4:25]), _bytes(ref.scale)
     )
-    x = _x(2, 3, 300, 64, 51, torch.float16)  # enough rows for torch's thread count
-    (codes, scale, _), ref = _rows(x, "tcq3", 32, torch.float16, cap=320)
-    assert torch.equal(codes, ref.codes) and torch.equal(scale, ref.scale)
-    x[1, 2, 299, 63] = float("inf")  # the last row any thread quantizes
-    codes = torch.zeros(2, 3, 300, 24, dtype=torch.uint8)
-    assert not native.quantize_into(x, codes, torch.ones(2, 3, 300, 2, dtype=torch.float16), None, 0, "tcq3")
+    _threads_agree_then_refuse("tcq3", 51, float("inf"))
