@@ -50,9 +50,8 @@ class KVView:
     ``new_k / new_v [B, H, q, D]``: the call's full-precision tokens. ``reads``: the quantized
     tiers, oldest first. ``fp_k / fp_v [B, H, s + t + q, D]``: every full-precision token in one
     copy: the sinks (``n_sinks`` = s of them, when the history still has quantized positions), the
-    tail (t), then the call's own (q); ``dense_k / dense_v`` (sinks and tail) and ``tail_k /
-    tail_v`` are views of it. ``dense_valid [B, s + t]`` (False: padding, or a sink outside the
-    visible history; None: all count). ``sinks_back(x, p0)``: puts the sink values over their slots
+    tail (t), then the call's own (q). ``dense_valid [B, s + t]`` (False: padding, or a sink
+    outside the visible history; None: all count). ``sinks_back(x, p0)``: puts the sink values over their slots
     in dequantized positions ``[p0, p0 + n)``.
     """
 
@@ -68,22 +67,6 @@ class KVView:
     pads: torch.Tensor  # [B] int64
     transform: KeyTransform
     sinks_back: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def dense_k(self) -> torch.Tensor:  # [B, H, s + t, D]
-        return self.fp_k[:, :, : self.fp_k.shape[2] - self.new_k.shape[2]]
-
-    @property
-    def dense_v(self) -> torch.Tensor:
-        return self.fp_v[:, :, : self.fp_v.shape[2] - self.new_v.shape[2]]
-
-    @property
-    def tail_k(self) -> torch.Tensor:  # [B, H, t, D]
-        return self.dense_k[:, :, self.n_sinks :]
-
-    @property
-    def tail_v(self) -> torch.Tensor:
-        return self.dense_v[:, :, self.n_sinks :]
 
     @property
     def shape(self) -> torch.Size:
