@@ -55,13 +55,13 @@ class TailSegment:
     def __len__(self) -> int:
         return self.end - self.begin
 
-    def _reserve(self, n: int) -> None:
-        """Room for ``n`` positions from row ``off``: the held rows move to row 0 (into a buffer at
-        least twice as big when ``n`` does not fit at all)."""
+    def _reserve(self, n: int, held: int) -> None:
+        """Room for ``n`` positions from row ``off`` keeping the ``held`` rows there: they move to row
+        0 (into a buffer at least twice as big when ``n`` does not fit at all)."""
         cap = self.k.shape[2]
         if self.off + n <= cap:
             return
-        held, o = len(self), self.off
+        o = self.off
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:2], max(n, 2 * cap), old.shape[3]) if n > cap else old
@@ -77,7 +77,7 @@ class TailSegment:
         n_out = max(total - self.residual, 0) // self.block * self.block
         o = self.off
         if n_out <= held:  # a decode step: the new tokens go past the end, the oldest leave
-            self._reserve(total)  # (may move the held rows to row 0)
+            self._reserve(total, held)  # (may move the held rows to row 0)
             o = self.off
             self.k[:, :, o + held : o + total] = k
             self.v[:, :, o + held : o + total] = v
@@ -88,11 +88,10 @@ class TailSegment:
             out_k = k[:, :, :lead] if not held else torch.cat([self.k[:, :, o : o + held], k[:, :, :lead]], 2)
             out_v = v[:, :, :lead] if not held else torch.cat([self.v[:, :, o : o + held], v[:, :, :lead]], 2)
             out = (out_k, out_v)
-            self.off, self.end = 0, self.begin  # nothing held while the buffer is reserved
-            self._reserve(n - lead)
+            self.off = 0
+            self._reserve(n - lead, 0)
             self.k[:, :, : n - lead] = k[:, :, lead:]
             self.v[:, :, : n - lead] = v[:, :, lead:]
-            self.end = self.begin + held  # (begin and end move on below)
         self.end += n
         self.begin += n_out
         return out
@@ -106,11 +105,10 @@ class TailSegment:
         """Hold exactly positions ``[begin, begin + n)`` = ``k, v [B, H, n, D]`` (after a crop)."""
         n = k.shape[2]
         self.off = 0
-        self.begin = self.end = begin  # nothing held while the buffer is reserved
-        self._reserve(n)
+        self._reserve(n, 0)
         self.k[:, :, :n] = k
         self.v[:, :, :n] = v
-        self.end = begin + n
+        self.begin, self.end = begin, begin + n
 
     def crop(self, p: int) -> None:
         self.end = max(min(self.end, p), self.begin)
