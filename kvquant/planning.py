@@ -201,14 +201,17 @@ class _KVModel:
             cfg, window = quant.for_layer(i, n), kw.get("sliding_window")
             groups.setdefault((repr(cfg), window), [cfg, window, 0])[2] += 1
         self.groups = [tuple(g) for g in groups.values()]
+        self._bytes: dict[tuple[int, int], int] = {}  # (tokens, batch) -> bytes; searches revisit them
 
     def bytes(self, tokens: int, batch: int = 1) -> int:
         """Exact bytes of a KVQuantCache after ``tokens`` positions (== ``model_cache_bytes``)."""
-        return sum(
-            count
-            * layer_bytes(cfg, tokens, batch, self.heads, self.head_dim, self.fp_itemsize, window)["total"]
-            for cfg, window, count in self.groups
-        )
+        key = (tokens, batch)
+        if key not in self._bytes:
+            dims = (batch, self.heads, self.head_dim, self.fp_itemsize)
+            self._bytes[key] = sum(
+                count * layer_bytes(cfg, tokens, *dims, window)["total"] for cfg, window, count in self.groups
+            )
+        return self._bytes[key]
 
     def held_elements(self, tokens: int, batch: int = 1) -> int:
         """K + V elements of the positions held (what ``fp16_bytes`` counts), for effective bits."""

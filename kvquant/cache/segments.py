@@ -277,6 +277,12 @@ class SinkSegment:
         if self.k is None or t0 >= pads_max + self.n:
             return
         n = k.shape[2]
+        if pads_max == 0:  # no padding: sink slot s is position s, a plain slice copy
+            end = min(self.n, t0 + n)
+            if end > t0:
+                self.k[:, :, t0:end].copy_(k[:, :, : end - t0])
+                self.v[:, :, t0:end].copy_(v[:, :, : end - t0])
+            return
         rel = pads[:, None] + torch.arange(self.n, device=k.device) - t0  # [B, S]
         valid = ((rel >= 0) & (rel < n))[:, None, :, None]
         idx = rel.clamp(0, n - 1)[:, None, :, None]
