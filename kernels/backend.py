@@ -14,7 +14,8 @@ Every backend implements each op it supports with the op's one signature (see ``
 - ``quantize_append(x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool``
   (False: refused these values, nothing counted written; the next backend runs, the reference
   raises the spec's error);
-- ``encode(y, fmt) -> codes``.
+- ``encode(y, fmt) -> codes``;
+- ``rotate(x) -> x @ H / sqrt(D)`` (fp32 in and out, ``D`` a power of two).
 
 Example:
     >>> call = DecodeCall.of("int4", "int4", head_dim=64, device="cpu")
@@ -71,6 +72,14 @@ class QuantizeCall:
 
 
 @dataclass(frozen=True)
+class RotateCall:
+    """One ``rotate`` call, described."""
+
+    head_dim: int
+    device: str
+
+
+@dataclass(frozen=True)
 class EncodeCall:
     """One ``encode`` call, described."""
 
@@ -104,6 +113,9 @@ class Backend:
 
     def supports_encode(self, call: EncodeCall) -> str | None:
         return f"{self.name} has no encode"
+
+    def supports_rotate(self, call: RotateCall) -> str | None:
+        return f"{self.name} has no rotate"
 
     def __repr__(self) -> str:
         return f"<kvquant kernels backend {self.name!r}>"

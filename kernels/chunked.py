@@ -8,15 +8,18 @@ into the probabilities (values), and an online softmax carries the running max /
 Each KV head is read once for all the query heads of its GQA group.
 
 :data:`BACKEND` offers it to :mod:`kvquant.kernels.ops` as the ``chunked`` backend: every format,
-any device.
+any device. It also rotates head vectors (``rotate``) with the fewest torch launches.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvquant.formats import format_spec, unpack_codes
-from kvquant.kernels.backend import Backend, DecodeCall
+from kvquant.kernels.backend import Backend, DecodeCall, RotateCall
+from kvquant.kernels.reference import hadamard_matrix, rotate_ref
 
 
 def _codes_as_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -223,6 +226,31 @@ class ChunkedBackend(Backend):
 
     def decode_attention(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, **kw):
         return decode_attention_torch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, **kw)
+
+    def supports_rotate(self, call: RotateCall) -> str | None:
+        return None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return rotate_torch(x)
+
+
+# at or above this many head vectors the rotation runs as the fast transform (log2(D) passes over the
+# data); below it, one product with the cached matrix costs fewer kernel launches
+FWHT_MIN_ROWS = 4096
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    return hadamard_matrix(d, device)  # [D, D], built once per device, never copied per call
+
+
+def rotate_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`kvquant.kernels.reference.rotate_ref` in as few kernel launches as torch allows: one
+    product with the cached matrix for a few rows (equal to the twin up to fp32 rounding), the fast
+    transform for many."""
+    if x.numel() // x.shape[-1] >= FWHT_MIN_ROWS:
+        return rotate_ref(x)
+    return x @ _hadamard(x.shape[-1], x.device)
 
 
 BACKEND = ChunkedBackend()

@@ -1,4 +1,4 @@
-"""One dispatch per op: ``quantize_append``, ``decode_attention``, ``encode``.
+"""One dispatch per op: ``quantize_append``, ``decode_attention``, ``encode``, ``rotate``.
 
 Each op has one signature, shared by all its backends. A call is described by a small record
 (:mod:`kvquant.kernels.backend`: formats, head size, device, scale dtypes), and the first backend
@@ -27,10 +27,10 @@ from dataclasses import fields as record_fields
 
 import torch
 
-from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, raise_deferred
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, RotateCall, raise_deferred
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
 
-OPS = ("quantize_append", "decode_attention", "encode")
+OPS = ("quantize_append", "decode_attention", "encode", "rotate")
 
 
 @functools.cache
@@ -57,11 +57,17 @@ def _unsupported(backend: Backend, op: str, call, forced: bool) -> str | None:
         "quantize_append": backend.supports_quantize,
         "decode_attention": backend.supports_decode,
         "encode": backend.supports_encode,
+        "rotate": backend.supports_rotate,
     }[op]
     return check(call)
 
 
-_RECORDS = {"quantize_append": QuantizeCall, "decode_attention": DecodeCall, "encode": EncodeCall}
+_RECORDS = {
+    "quantize_append": QuantizeCall,
+    "decode_attention": DecodeCall,
+    "encode": EncodeCall,
+    "rotate": RotateCall,
+}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -234,6 +240,28 @@ def encode(y: torch.Tensor, fmt: str, *, backend: str | None = None) -> torch.Te
     return next(_pick("encode", (fmt, y.shape[-1], y.device.type), backend)).encode(y, fmt)
 
 
+# --------------------------------------------------------------------------------------------- rotate
+
+
+def rotate(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``x[..., D] @ H`` for fp32 ``x``: ``H`` the normalized ``[D, D]`` Walsh-Hadamard matrix
+    (orthogonal and symmetric, so the rotation is its own inverse; ``D`` a power of two). A new fp32
+    tensor. C on CPU (one thread for a decode step's few rows, bit for bit the reference's fast
+    transform), torch elsewhere.
+
+    Example:
+        >>> x = torch.randn(2, 3, 64)
+        >>> torch.allclose(rotate(rotate(x)), x, atol=1e-5)
+        True
+    """
+    d = x.shape[-1] if x.dim() else 0
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"x: rotate takes float32, got {x.dtype}")
+    return next(_pick("rotate", (d, x.device.type), backend)).rotate(x)
+
+
 # --------------------------------------------------------------------------------------------- which
 
 
@@ -244,7 +272,7 @@ def backend_for(op_name: str, **call) -> str:
     ``axis``, ``scale_dtype`` (default fp16; None for ``none``), ``static_scale``.
     ``decode_attention``: ``k_fmt``, ``v_fmt`` (or ``fmt`` for both), ``head_dim``, ``device``,
     ``k_axis``, ``k_group``, ``v_group``, ``scale_dtype`` (or ``k_scale_dtype`` / ``v_scale_dtype``),
-    ``fp_tokens``. ``encode``: ``fmt``, ``head_dim``, ``device``.
+    ``fp_tokens``. ``encode``: ``fmt``, ``head_dim``, ``device``. ``rotate``: ``head_dim``, ``device``.
 
     Example:
         >>> backend_for("decode_attention", fmt="none", head_dim=64, device="cpu")
@@ -258,6 +286,8 @@ def backend_for(op_name: str, **call) -> str:
     scale_dtype = call.pop("scale_dtype", torch.float16)
     if op_name == "encode":
         desc = EncodeCall(call.pop("fmt"), head_dim, device)
+    elif op_name == "rotate":
+        desc = RotateCall(head_dim, device)
     elif op_name == "quantize_append":
         fmt = call.pop("fmt")
         desc = QuantizeCall(
@@ -297,4 +327,5 @@ __all__ = [
     "encode",
     "quantize_append",
     "raise_deferred",
+    "rotate",
 ]

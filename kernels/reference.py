@@ -8,6 +8,8 @@ Everything here is built on :mod:`kvquant.formats` (the numeric spec) and runs o
   :func:`kvquant.formats.dequantize` and computes one-query-token attention in fp32.
 - :func:`dense_decode_attention_ref` attends one query token over full-precision tokens (sinks,
   the residual tail, the new token) and returns the same ``(out, lse)`` partial.
+- :func:`rotate_ref` rotates head vectors by the normalized Walsh-Hadamard matrix (the key
+  transform's rotation) with the fast transform.
 - :func:`merge_attention` combines partial attentions (e.g. the quantized store and the
   full-precision sink / residual tokens) by log-sum-exp.
 
@@ -22,7 +24,7 @@ import math
 import torch
 
 from kvquant.formats import QuantizedBlock, dequantize, format_spec, is_static_scale, quantize
-from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, RotateCall
 
 # --------------------------------------------------------------------------------------------- shared checks
 
@@ -321,6 +323,36 @@ class ReferenceBackend(Backend):
 
     def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
         return encode_ref(y, fmt)
+
+    def supports_rotate(self, call: RotateCall) -> str | None:
+        return None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return rotate_ref(x)
+
+
+def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalized ``[D, D]`` fp32 Walsh-Hadamard matrix (orthogonal, symmetric; ``D`` a power of
+    two): ``H[i, j] = (-1) ** popcount(i & j) / sqrt(D)``."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(device=device, dtype=torch.float32)  # [D, D]
+
+
+def rotate_ref(x: torch.Tensor) -> torch.Tensor:
+    """``x[..., D] @ hadamard_matrix(D)`` for fp32 ``x`` (``D`` a power of two), as the fast
+    Walsh-Hadamard transform: ``log2(D)`` passes that turn each pair ``(a, b)`` of channels ``h``
+    apart into ``(a + b, a - b)``, ``h = 1, 2, ..., D / 2``, then one product by ``1 / sqrt(D)``
+    (rounded to fp32). A new tensor, the shape of ``x``."""
+    d = x.shape[-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)  # [N, D/2h, 2, h]: the butterfly pairs of this pass
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return (y * (1.0 / math.sqrt(d))).view(x.shape)
 
 
 def encode_ref(y: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -24,57 +24,18 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from kvquant.formats import round_to_dtype
+from kvquant.kernels import ops
 
 ROTATIONS = ("none", "hadamard")
 SMOOTHINGS = ("none", "mean", "channel")
-# at or above this many head vectors a rotation runs as the fast Walsh-Hadamard transform (log2(D)
-# passes over the data); below it, one product with the cached matrix costs fewer kernel launches
-FWHT_MIN_ROWS = 4096
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-@functools.lru_cache(maxsize=32)
-def hadamard_matrix(d: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    """The normalized ``[D, D]`` Walsh-Hadamard matrix (orthogonal, symmetric), cached per device
-    and dtype (built once, never copied per call)."""
-    if not is_power_of_two(d):
-        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(d)).to(device=device, dtype=dtype)  # [D, D]
-
-
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Normalized fast Walsh-Hadamard transform of fp32 ``x[..., D]`` (``D`` a power of two):
-    ``x @ hadamard_matrix(D)`` in ``log2(D)`` butterfly passes."""
-    d = x.shape[-1]
-    if not is_power_of_two(d):
-        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
-    y = x.reshape(-1, d)
-    h = 1
-    while h < d:
-        y = y.view(-1, d // (2 * h), 2, h)  # [N, D/2h, 2, h]: the butterfly pairs of this pass
-        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
-        h *= 2
-    return (y * (1.0 / math.sqrt(d))).view(x.shape)
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x[..., D] @ R`` in fp32 (returned in ``x``'s dtype); its own inverse (``R^-1 = R``)."""
-    xf = x.float()
-    if xf.numel() // x.shape[-1] >= FWHT_MIN_ROWS and not x.is_meta:
-        return fwht(xf).to(x.dtype)
-    return (xf @ hadamard_matrix(x.shape[-1], x.device)).to(x.dtype)
+    return ops.rotate(x.float()).to(x.dtype)
 
 
 unrotate = rotate

@@ -6,7 +6,7 @@ import torch
 
 from kvquant.formats import format_spec
 from kvquant.formats.trellis import TRELLIS_STATE_BITS, TWO_PASS_FROM, trellis_table
-from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall
+from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, RotateCall
 from kvquant.kernels.cpu.binding import (
     _SCALE_DTYPES,
     _WRITTEN_SCALE_DTYPES,
@@ -16,6 +16,7 @@ from kvquant.kernels.cpu.binding import (
     TRELLIS_FORMATS,
     decode_attention_native,
     quantize_into,
+    rotate_native,
     trellis_encode_native,
     writes_head,
 )
@@ -26,7 +27,7 @@ class CpuBackend(Backend):
     """The C kernels on CPU: decode of every quantized format (codes read one by one or, trellis,
     by their state; not ``none``) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call;
     quantize of the integer, codebook, fp8 and trellis formats on the token axis with computed
-    scales; the trellis search."""
+    scales; the trellis search; the Hadamard rotation."""
 
     name = "cpu"
     devices = frozenset({"cpu"})
@@ -63,6 +64,9 @@ class CpuBackend(Backend):
             return "a head of at least one state"
         return None
 
+    def supports_rotate(self, call: RotateCall) -> str | None:
+        return None  # ops checks the head size (a power of two) for every backend
+
     def decode_attention(self, *tensors, **kw):
         return decode_attention_native(*tensors, **kw)
 
@@ -71,6 +75,9 @@ class CpuBackend(Backend):
 
     def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
         return search(y, format_spec(fmt).bits)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return rotate_native(x)
 
 
 def search(y: torch.Tensor, bits: int) -> torch.Tensor:

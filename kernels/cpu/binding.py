@@ -9,6 +9,7 @@ search (the same codes).
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -351,3 +352,18 @@ def trellis_encode_native(
     if rc < 0:
         raise MemoryError("native CPU trellis encoder: out of memory")
     return codes
+
+
+def rotate_native(x: torch.Tensor) -> torch.Tensor:
+    """``x[..., D]`` (CPU, fp32, ``D`` a power of two) rotated by the normalized Hadamard matrix in C:
+    a new fp32 tensor, bit for bit :func:`kvquant.kernels.reference.rotate_ref`."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)  # a view where the layout allows (decode: always), else one copy
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < d):
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    n = rows.shape[0]
+    _library().kvq_rotate(
+        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, 1.0 / math.sqrt(d), _threads(n)
+    )
+    return out

@@ -1,4 +1,4 @@
-"""Build and load the C kernels (``decode_cpu.c``, ``quantize_cpu.c`` and their header ``kvq_common.h``
+"""Build and load the C kernels (``decode_cpu.c``, ``quantize_cpu.c``, ``rotate_cpu.c`` and their header ``kvq_common.h``
 beside this file): compiled at first use, into one library loaded via ctypes.
 
 The shared library is compiled once per machine with ``$CC`` (default ``cc``) and
@@ -30,7 +30,7 @@ from kvquant.env import c_compiler, cache_root, native_enabled
 
 log = logging.getLogger("kvquant")
 
-SOURCES = tuple(Path(__file__).parent / name for name in ("decode_cpu.c", "quantize_cpu.c"))
+SOURCES = tuple(Path(__file__).parent / name for name in ("decode_cpu.c", "quantize_cpu.c", "rotate_cpu.c"))
 HEADERS = (Path(__file__).parent / "kvq_common.h",)
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 
@@ -127,6 +127,9 @@ def _load(path: Path) -> ctypes.CDLL:
     tr = lib.kvq_trellis_encode
     tr.restype = ctypes.c_int
     tr.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_int, i64, p, ctypes.c_int]
+    ro = lib.kvq_rotate
+    ro.restype = None
+    ro.argtypes = [p, i64, p, i64, i64, ctypes.c_float, ctypes.c_int]
     return lib
 
 
