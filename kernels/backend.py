@@ -15,7 +15,9 @@ Every backend implements each op it supports with the op's one signature (see ``
   (False: refused these values, nothing counted written; the next backend runs, the reference
   raises the spec's error);
 - ``encode(y, fmt) -> codes``;
-- ``rotate(x) -> x @ H / sqrt(D)`` (fp32 in and out, ``D`` a power of two).
+- ``rotate(x) -> x @ H / sqrt(D)`` (fp32 in and out, ``D`` a power of two);
+- ``dequantize(codes, scale, zero, i0, i1, *, fmt, group, axis, head_dim) -> x`` (fp32
+  ``[B, H, i1 - i0, D]``: buffer indices ``[i0, i1)`` of a store).
 
 Example:
     >>> call = DecodeCall.of("int4", "int4", head_dim=64, device="cpu")
@@ -72,6 +74,17 @@ class QuantizeCall:
 
 
 @dataclass(frozen=True)
+class DequantizeCall:
+    """One ``dequantize`` call, described."""
+
+    fmt: str
+    head_dim: int
+    device: str
+    axis: str = "token"
+    scale_dtype: torch.dtype | None = None  # None: no scale (pass-through)
+
+
+@dataclass(frozen=True)
 class RotateCall:
     """One ``rotate`` call, described."""
 
@@ -116,6 +129,9 @@ class Backend:
 
     def supports_rotate(self, call: RotateCall) -> str | None:
         return f"{self.name} has no rotate"
+
+    def supports_dequantize(self, call: DequantizeCall) -> str | None:
+        return f"{self.name} has no dequantize"
 
     def __repr__(self) -> str:
         return f"<kvquant kernels backend {self.name!r}>"

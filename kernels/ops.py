@@ -1,4 +1,4 @@
-"""One dispatch per op: ``quantize_append``, ``decode_attention``, ``encode``, ``rotate``.
+"""One dispatch per op: ``quantize_append``, ``decode_attention``, ``dequantize``, ``encode``, ``rotate``.
 
 Each op has one signature, shared by all its backends. A call is described by a small record
 (:mod:`kvquant.kernels.backend`: formats, head size, device, scale dtypes), and the first backend
@@ -27,10 +27,18 @@ from dataclasses import fields as record_fields
 
 import torch
 
-from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, RotateCall, raise_deferred
+from kvquant.kernels.backend import (
+    Backend,
+    DecodeCall,
+    DequantizeCall,
+    EncodeCall,
+    QuantizeCall,
+    RotateCall,
+    raise_deferred,
+)
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
 
-OPS = ("quantize_append", "decode_attention", "encode", "rotate")
+OPS = ("quantize_append", "decode_attention", "dequantize", "encode", "rotate")
 
 
 @functools.cache
@@ -58,6 +66,7 @@ def _unsupported(backend: Backend, op: str, call, forced: bool) -> str | None:
         "decode_attention": backend.supports_decode,
         "encode": backend.supports_encode,
         "rotate": backend.supports_rotate,
+        "dequantize": backend.supports_dequantize,
     }[op]
     return check(call)
 
@@ -67,6 +76,7 @@ _RECORDS = {
     "decode_attention": DecodeCall,
     "encode": EncodeCall,
     "rotate": RotateCall,
+    "dequantize": DequantizeCall,
 }
 
 
@@ -223,6 +233,41 @@ def decode_attention(
     return merge_attention([out, f_out], [lse, f_lse])
 
 
+# --------------------------------------------------------------------------------------------- dequantize
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    i0: int,
+    i1: int,
+    *,
+    fmt: str,
+    group: int,
+    axis: str = "token",
+    head_dim: int,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Buffer indices ``[i0, i1)`` of a store's buffers (``codes[B, H, cap, W]``, ``scale`` /
+    ``zero`` as :class:`kvquant.store.TokenStore` holds them) dequantized: fp32 ``[B, H, i1 - i0, D]``,
+    the values of :func:`kvquant.formats.dequantize` bit for bit on every backend. What a tier reads
+    when its oldest tokens move on to the next tier (and the dequantizing attention path).
+
+    Example:
+        >>> codes = torch.zeros(1, 2, 16, 32, dtype=torch.uint8)             # int4, head_dim 64
+        >>> scale, zero = torch.ones(1, 2, 16, 1, dtype=torch.float16), torch.zeros(1, 2, 16, 1, dtype=torch.float16)
+        >>> dequantize(codes, scale, zero, 3, 7, fmt="int4", group=64, head_dim=64).shape
+        torch.Size([1, 2, 4, 64])
+    """
+    if not (0 <= i0 <= i1 and (i1 == i0 or i1 <= codes.shape[2])):  # an empty range may lie anywhere
+        raise ValueError(f"i0, i1: need 0 <= i0 <= i1 <= {codes.shape[2]} (the buffer), got {i0}, {i1}")
+    sdt = None if scale is None else scale.dtype
+    fields = (fmt, head_dim, codes.device.type, axis, sdt)
+    kw = dict(fmt=fmt, group=group, axis=axis, head_dim=head_dim)
+    return next(_pick("dequantize", fields, backend)).dequantize(codes, scale, zero, i0, i1, **kw)
+
+
 # --------------------------------------------------------------------------------------------- encode
 
 
@@ -273,6 +318,7 @@ def backend_for(op_name: str, **call) -> str:
     ``decode_attention``: ``k_fmt``, ``v_fmt`` (or ``fmt`` for both), ``head_dim``, ``device``,
     ``k_axis``, ``k_group``, ``v_group``, ``scale_dtype`` (or ``k_scale_dtype`` / ``v_scale_dtype``),
     ``fp_tokens``. ``encode``: ``fmt``, ``head_dim``, ``device``. ``rotate``: ``head_dim``, ``device``.
+    ``dequantize``: ``fmt``, ``head_dim``, ``device``, ``axis``, ``scale_dtype``.
 
     Example:
         >>> backend_for("decode_attention", fmt="none", head_dim=64, device="cpu")
@@ -288,6 +334,9 @@ def backend_for(op_name: str, **call) -> str:
         desc = EncodeCall(call.pop("fmt"), head_dim, device)
     elif op_name == "rotate":
         desc = RotateCall(head_dim, device)
+    elif op_name == "dequantize":
+        sdt = None if call.get("fmt") == "none" else scale_dtype
+        desc = DequantizeCall(call.pop("fmt"), head_dim, device, call.pop("axis", "token"), sdt)
     elif op_name == "quantize_append":
         fmt = call.pop("fmt")
         desc = QuantizeCall(
@@ -324,6 +373,7 @@ __all__ = [
     "backend_for",
     "backends",
     "decode_attention",
+    "dequantize",
     "encode",
     "quantize_append",
     "raise_deferred",

@@ -24,7 +24,7 @@ import math
 import torch
 
 from kvquant.formats import QuantizedBlock, dequantize, format_spec, is_static_scale, quantize
-from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, RotateCall
+from kvquant.kernels.backend import Backend, DecodeCall, DequantizeCall, EncodeCall, QuantizeCall, RotateCall
 
 # --------------------------------------------------------------------------------------------- shared checks
 
@@ -329,6 +329,37 @@ class ReferenceBackend(Backend):
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         return rotate_ref(x)
+
+    def supports_dequantize(self, call: DequantizeCall) -> str | None:
+        return None
+
+    def dequantize(self, codes, scale, zero, i0, i1, **kw) -> torch.Tensor:
+        return dequantize_ref(codes, scale, zero, i0, i1, **kw)
+
+
+def dequantize_ref(
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    i0: int,
+    i1: int,
+    *,
+    fmt: str,
+    group: int,
+    axis: str,
+    head_dim: int,
+) -> torch.Tensor:
+    """Buffer indices ``[i0, i1)`` of a store's buffers (as :class:`kvquant.store.TokenStore` holds
+    them; a static scale is ``[1, H, 1, 1]``) dequantized with :func:`kvquant.formats.dequantize`:
+    fp32 ``[B, H, i1 - i0, D]``."""
+    r = group if axis == "channel" else 1  # tokens per scale row
+    a, b = i0 // r * r, -(-i1 // r) * r  # whole scale blocks
+    if scale is not None and not is_static_scale(scale, axis):
+        scale = scale[:, :, a // r : b // r]
+        zero = None if zero is None else zero[:, :, a // r : b // r]
+    blk = QuantizedBlock(codes[:, :, a:b], scale, zero)
+    x = dequantize(blk, fmt, head_dim=head_dim, group_size=group, axis=axis, out_dtype=torch.float32)
+    return x[:, :, i0 - a : i1 - a]
 
 
 def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from kvquant.formats import format_spec
 from kvquant.formats.trellis import TRELLIS_STATE_BITS, TWO_PASS_FROM, trellis_table
-from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, RotateCall
+from kvquant.kernels.backend import Backend, DecodeCall, DequantizeCall, EncodeCall, QuantizeCall, RotateCall
 from kvquant.kernels.cpu.binding import (
     _SCALE_DTYPES,
     _WRITTEN_SCALE_DTYPES,
@@ -15,6 +15,7 @@ from kvquant.kernels.cpu.binding import (
     QUANTIZE_FORMATS,
     TRELLIS_FORMATS,
     decode_attention_native,
+    dequantize_native,
     quantize_into,
     rotate_native,
     trellis_encode_native,
@@ -27,7 +28,8 @@ class CpuBackend(Backend):
     """The C kernels on CPU: decode of every quantized format (codes read one by one or, trellis,
     by their state; not ``none``) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call;
     quantize of the integer, codebook, fp8 and trellis formats on the token axis with computed
-    scales; the trellis search; the Hadamard rotation."""
+    scales; the trellis search; the Hadamard rotation; dequantizing a store's rows (tokens moving
+    between tiers)."""
 
     name = "cpu"
     devices = frozenset({"cpu"})
@@ -64,6 +66,15 @@ class CpuBackend(Backend):
             return "a head of at least one state"
         return None
 
+    def supports_dequantize(self, call: DequantizeCall) -> str | None:
+        if call.fmt not in DECODE_FORMATS:
+            return f"reads {', '.join(sorted(DECODE_FORMATS))}"
+        if call.head_dim > MAX_HEAD_DIM:
+            return f"head_dim up to {MAX_HEAD_DIM}"
+        if call.scale_dtype not in _SCALE_DTYPES:
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
+        return None
+
     def supports_rotate(self, call: RotateCall) -> str | None:
         return None  # ops checks the head size (a power of two) for every backend
 
@@ -78,6 +89,9 @@ class CpuBackend(Backend):
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         return rotate_native(x)
+
+    def dequantize(self, codes, scale, zero, i0, i1, **kw) -> torch.Tensor:
+        return dequantize_native(codes, scale, zero, i0, i1, **kw)
 
 
 def search(y: torch.Tensor, bits: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ search (the same codes).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -264,6 +265,13 @@ def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
     return quantize_into(x, store.codes, store.scale, store.zero, index, store.fmt)
 
 
+@functools.cache
+def _codebook_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A codebook's levels (padded to 16 entries) and its scale search grid, fp32, built once."""
+    spec = format_spec(fmt)
+    return spec.lut(), torch.tensor(spec.scale_search, dtype=torch.float32)
+
+
 def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
     """``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` / ``zero
     [B, H, cap, D / G]`` at buffer index ``index`` (a format of ``QUANTIZE_FORMATS``, token axis,
@@ -306,8 +314,7 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
             *head, s_ptr, z_ptr, *_strides(scale), dtype, spec.bits, int(spec.signed), groups
         )
     elif writer == "kvq_quantize_codebook":
-        levels = spec.lut()  # the levels padded to 16 entries
-        grid = torch.tensor(spec.scale_search, dtype=torch.float32)
+        levels, grid = _codebook_tables(fmt)
         rc = lib.kvq_quantize_codebook(
             *head, s_ptr, *_strides(scale), dtype, spec.bits, groups,
             levels.data_ptr(), grid.data_ptr(), grid.numel(), spec.qmax, _threads(b * h * n * 16),
@@ -366,4 +373,17 @@ def rotate_native(x: torch.Tensor) -> torch.Tensor:
     _library().kvq_rotate(
         rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, 1.0 / math.sqrt(d), _threads(n)
     )
+    return out
+
+
+def dequantize_native(
+    codes, scale, zero, i0: int, i1: int, *, fmt: str, group: int, axis: str, head_dim: int
+):
+    """Buffer indices ``[i0, i1)`` of a store's buffers dequantized in C -> fp32 ``[B, H, i1 - i0, D]``,
+    bit for bit :func:`kvquant.kernels.reference.dequantize_ref`."""
+    keep: list = []
+    op = _cached_operand(codes, scale, zero, fmt, group, axis, keep)
+    b, h = codes.shape[:2]
+    out = torch.empty(b, h, i1 - i0, head_dim, dtype=torch.float32)
+    _library().kvq_dequantize(ctypes.byref(op), b, h, i0, i1 - i0, head_dim, out.data_ptr())
     return out

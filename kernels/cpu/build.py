@@ -127,6 +127,9 @@ def _load(path: Path) -> ctypes.CDLL:
     tr = lib.kvq_trellis_encode
     tr.restype = ctypes.c_int
     tr.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_int, i64, p, ctypes.c_int]
+    dq = lib.kvq_dequantize
+    dq.restype = None
+    dq.argtypes = [op, i64, i64, i64, i64, i64, p]
     ro = lib.kvq_rotate
     ro.restype = None
     ro.argtypes = [p, i64, p, i64, i64, ctypes.c_float, ctypes.c_int]

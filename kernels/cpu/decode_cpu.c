@@ -994,3 +994,28 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
     for (int w = 1; w < n_threads; w++) { free(jobs[w].acc); free(jobs[w].m); free(jobs[w].l); }
     return rc;
 }
+
+/* Dequantized rows out [B, H, n, D] (fp32, contiguous) of tokens [t0, t0 + n) of operand o, as
+ * kvquant.formats.dequantize forms them: each code's value (integer, table level, trellis state
+ * level, fp8 value), times its scale, then plus its zero point, two roundings (nothing fused), so
+ * the result equals the torch twin bit for bit. One thread: a segment moves a few tokens at a time. */
+__attribute__((optimize("fp-contract=off"))) void kvq_dequantize(const kvq_operand *o, int64_t B, int64_t H,
+                                                                 int64_t t0, int64_t n, int64_t D, float *out) {
+    kvq_operand raw = *o; /* the codes' values alone: load_row applies no scale */
+    raw.scale = NULL;
+    raw.zero = NULL;
+    uint8_t idx[512];
+    float s[512], z[512];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < n; i++) {
+                float *row = out + ((b * H + h) * n + i) * D;
+                load_row(&raw, b, h, t0 + i, (int)D, idx, row);
+                if (!o->scale) continue;
+                load_scales(o, b, h, t0 + i, (int)D, s, z);
+                const int64_t gs = o->channel_axis ? 1 : D / o->n_groups; /* channels per scale */
+                for (int64_t d = 0; d < D; d++) row[d] = row[d] * s[o->channel_axis ? d : d / gs];
+                if (o->zero)
+                    for (int64_t d = 0; d < D; d++) row[d] = row[d] + z[o->channel_axis ? d : d / gs];
+            }
+}

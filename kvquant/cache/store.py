@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvquant.formats import QuantizedBlock, dequantize, format_spec
+from kvquant.formats import format_spec
 from kvquant.kernels import ops
 
 
@@ -44,7 +44,6 @@ class Operand:
     group: int
     axis: str
     head_dim: int
-    static: bool = False  # scale is one calibrated [1, H_kv, 1, 1] scale per head
 
     @property
     def block(self) -> int:
@@ -54,18 +53,9 @@ class Operand:
         return self.codes, self.scale, self.zero
 
     def read(self, i0: int, i1: int, out_dtype: torch.dtype) -> torch.Tensor:
-        """Dequantize buffer indices ``[i0, i1)`` -> ``[B, H, i1 - i0, D]``."""
-        r = self.block
-        a, b = i0 // r * r, -(-i1 // r) * r  # whole scale blocks
-        scale, zero = self.scale, self.zero
-        if scale is not None and not self.static:
-            scale = scale[:, :, a // r : b // r]
-            zero = None if zero is None else zero[:, :, a // r : b // r]
-        blk = QuantizedBlock(self.codes[:, :, a:b], scale, zero)
-        x = dequantize(
-            blk, self.fmt, head_dim=self.head_dim, group_size=self.group, axis=self.axis, out_dtype=out_dtype
-        )
-        return x[:, :, i0 - a : i1 - a]
+        """Dequantize buffer indices ``[i0, i1)`` -> ``[B, H, i1 - i0, D]`` in ``out_dtype``."""
+        kw = dict(fmt=self.fmt, group=self.group, axis=self.axis, head_dim=self.head_dim)
+        return ops.dequantize(self.codes, self.scale, self.zero, i0, i1, **kw).to(out_dtype)
 
 
 class TokenStore:
@@ -161,7 +151,6 @@ class TokenStore:
             self.group_size,
             self.axis,
             self.head_dim,
-            static=self.static_scale is not None,
         )
 
     # ------------------------------------------------------------------------------------ data
