@@ -9,8 +9,9 @@ the call and otherwise a short reason (shown when a caller forces a backend that
 Every backend implements each op it supports with the op's one signature (see ``ops``):
 
 - ``decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_fmt, v_fmt, k_group,
-  v_group, k_axis, start, end, scaling, softcap, fp_k, fp_v, fp_valid) -> (out, lse)``; a backend
-  with ``takes_fp_tokens = False`` is never handed ``fp_k`` (the op merges them itself);
+  v_group, k_axis, start, end, scaling, softcap, fp_k, fp_v, fp_valid, extra) -> (out, lse)``; a
+  backend with ``takes_fp_tokens = False`` is never handed ``fp_k``, one with ``takes_segments =
+  False`` never ``extra`` (the op reads those apart and merges them itself);
 - ``quantize_append(x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool``
   (False: refused these values, nothing counted written; the next backend runs, the reference
   raises the spec's error);
@@ -61,6 +62,47 @@ class DecodeCall:
 
 
 @dataclass(frozen=True)
+class SegmentRead:
+    """One more quantized segment for ``ops.decode_attention(extra=...)`` (e.g. the recent window):
+    its K / V buffers as a store holds them, what they hold, and the buffer range ``[start[b], end)``
+    to attend."""
+
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor | None
+    k_zero: torch.Tensor | None
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor | None
+    v_zero: torch.Tensor | None
+    k_fmt: str
+    v_fmt: str
+    k_group: int | None
+    v_group: int | None
+    k_axis: str
+    start: torch.Tensor  # int64 [B]
+    end: int
+
+    def tensors(self) -> tuple:
+        return self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero
+
+    def call_fields(self, head_dim: int, device: str) -> tuple:
+        """The fields of the :class:`DecodeCall` that reads this segment alone."""
+        k_sdt = None if self.k_scale is None else self.k_scale.dtype
+        v_sdt = None if self.v_scale is None else self.v_scale.dtype
+        return (
+            self.k_fmt,
+            self.v_fmt,
+            head_dim,
+            device,
+            self.k_axis,
+            self.k_group,
+            self.v_group,
+            k_sdt,
+            v_sdt,
+            False,
+        )
+
+
+@dataclass(frozen=True)
 class QuantizeCall:
     """One ``quantize_append`` call, described."""
 
@@ -106,13 +148,15 @@ class Backend:
 
     ``devices``: device types it runs on (``ops`` checks them); ``interpretable``: runs on CPU tensors
     under Triton's interpreter when a caller forces it (tests), never when ``ops`` picks freely;
-    ``takes_fp_tokens``: ``decode_attention`` attends full-precision tokens in the same softmax itself.
+    ``takes_fp_tokens``: ``decode_attention`` attends full-precision tokens in the same softmax itself;
+    ``takes_segments``: ``decode_attention`` also reads more quantized segments (``extra``) in it.
     """
 
     name = "backend"
     devices: frozenset[str] = frozenset()
     interpretable = False
     takes_fp_tokens = False
+    takes_segments = False
 
     def available(self) -> str | None:
         """None when the backend can run at all (built, importable), else why not."""

@@ -34,6 +34,7 @@ from kvquant.kernels.backend import (
     EncodeCall,
     QuantizeCall,
     RotateCall,
+    SegmentRead,
     raise_deferred,
 )
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
@@ -158,6 +159,19 @@ def quantize_append(
 # --------------------------------------------------------------------------------------------- decode
 
 
+def _reads_segments(b: Backend, extra: tuple[SegmentRead, ...], q: torch.Tensor, forced: bool) -> bool:
+    """Whether backend ``b`` reads every segment of ``extra`` in the same call as the main one."""
+    if not b.takes_segments:
+        return False
+    d, device = q.shape[-1], q.device.type
+    if forced:
+        return all(
+            _unsupported(b, "decode_attention", DecodeCall(*s.call_fields(d, device)), True) is None
+            for s in extra
+        )
+    return all(b in _supporting("decode_attention", s.call_fields(d, device)) for s in extra)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -179,10 +193,11 @@ def decode_attention(
     fp_k: torch.Tensor | None = None,
     fp_v: torch.Tensor | None = None,
     fp_valid: torch.Tensor | None = None,
+    extra: tuple[SegmentRead, ...] = (),
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-query-token attention over buffer indices ``[start[b], end)`` of a quantized store, plus
-    full-precision tokens in the same softmax.
+    full-precision tokens and more quantized segments in the same softmax.
 
     Args:
         q: ``[B, Hq, D]``, ``Hq`` a multiple of the store's ``Hkv``.
@@ -193,6 +208,9 @@ def decode_attention(
             token), ``fp_valid [B, n]`` bool (None: all valid). A backend that cannot take them
             (Triton, chunked, reference) gets the store alone; their dense partial is merged here
             by log-sum-exp. The C backend takes them in the same kernel call.
+        extra: more quantized segments (:class:`SegmentRead`; the recent window), attended in the
+            same softmax: in the same kernel call by a backend that reads them all (C), else each
+            through its own dispatch and merged here by log-sum-exp.
 
     Returns:
         ``out [B, Hq, D]`` fp32 and ``lse [B, Hq]`` fp32 (natural log; nothing to attend:
@@ -224,6 +242,16 @@ def decode_attention(
         softcap=softcap,
     )
     tensors = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    if extra:
+        if _reads_segments(b, extra, q, forced=backend is not None):
+            fp_kw = dict(fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid) if fp else {}
+            return b.decode_attention(*tensors, **kw, **fp_kw, extra=extra)
+        parts = [decode_attention(*tensors, **kw, fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid, backend=backend)]
+        for s in extra:
+            s_kw = dict(kw, k_fmt=s.k_fmt, v_fmt=s.v_fmt, k_group=s.k_group, v_group=s.v_group)
+            s_kw.update(k_axis=s.k_axis, start=s.start, end=s.end)
+            parts.append(decode_attention(q, *s.tensors(), **s_kw, backend=backend))
+        return merge_attention([o for o, _ in parts], [lse for _, lse in parts])
     if fp and b.takes_fp_tokens:
         return b.decode_attention(*tensors, **kw, fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid)
     out, lse = b.decode_attention(*tensors, **kw)
@@ -376,6 +404,7 @@ __all__ = [
     "dequantize",
     "encode",
     "quantize_append",
+    "SegmentRead",
     "raise_deferred",
     "rotate",
 ]

@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvquant.cache.view import KVView
-from kvquant.kernels import merge_attention, ops
+from kvquant.kernels import ops
 
 ATTENTION_NAME = "kvquant"
 
@@ -88,27 +88,39 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
     t = view.transform
     q_stored = t.fold_query(q)  # scores the stored keys; the fp tokens go into the same space
     fp_k, fp_v = t.apply(fp_k, fp_v)
-    outs, lses = [], []
-    for i, read in enumerate(view.reads):
-        fp = dict(fp_k=fp_k, fp_v=fp_v, fp_valid=valid) if i == 0 else {}
-        o, lse = ops.decode_attention(
-            q_stored,
-            *read.k.tensors(),
-            *read.v.tensors(),
-            k_fmt=read.k.fmt,
-            v_fmt=read.v.fmt,
-            k_group=read.k.group,
-            v_group=read.v.group,
-            k_axis=read.k.axis,
-            start=read.start,
-            end=read.end,
-            scaling=scaling,
-            softcap=softcap,
-            **fp,
+    main, *more = view.reads  # the main store, then the recent window (read in the same softmax)
+    extra = tuple(
+        ops.SegmentRead(
+            *r.k.tensors(),
+            *r.v.tensors(),
+            k_fmt=r.k.fmt,
+            v_fmt=r.v.fmt,
+            k_group=r.k.group,
+            v_group=r.v.group,
+            k_axis=r.k.axis,
+            start=r.start,
+            end=r.end,
         )
-        outs.append(o)
-        lses.append(lse)
-    out = outs[0] if len(outs) == 1 else merge_attention(outs, lses)[0]  # [B, Hq, D]
+        for r in more
+    )
+    out, _ = ops.decode_attention(
+        q_stored,
+        *main.k.tensors(),
+        *main.v.tensors(),
+        k_fmt=main.k.fmt,
+        v_fmt=main.v.fmt,
+        k_group=main.k.group,
+        v_group=main.v.group,
+        k_axis=main.k.axis,
+        start=main.start,
+        end=main.end,
+        scaling=scaling,
+        softcap=softcap,
+        fp_k=fp_k,
+        fp_v=fp_v,
+        fp_valid=valid,
+        extra=extra,
+    )  # [B, Hq, D]
     return t.undo_output(out)[:, None].to(query.dtype)  # [B, 1, Hq, D]
 
 

@@ -34,6 +34,7 @@ class CpuBackend(Backend):
     name = "cpu"
     devices = frozenset({"cpu"})
     takes_fp_tokens = True
+    takes_segments = True
 
     def available(self) -> str | None:
         return None if native_available() else f"C kernels unavailable: {native_error()}"

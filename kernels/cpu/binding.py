@@ -179,6 +179,7 @@ def decode_attention_native(
     fp_valid: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    extra: tuple = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kvquant.kernels.chunked.decode_attention_torch` in C (CPU tensors; see there for shapes).
 
@@ -227,11 +228,20 @@ def decode_attention_native(
         if fp_valid is not None:
             valid = fp_valid.to(torch.uint8).contiguous()
             keep.append(valid)
+    n_x, xk, xv, xstart, xend = len(extra), None, None, None, None
+    if extra:  # more segments (kernels.backend.SegmentRead), read in the same softmax
+        ks = [_cached_operand(*s.tensors()[:3], s.k_fmt, s.k_group, s.k_axis, keep) for s in extra]
+        vs = [_cached_operand(*s.tensors()[3:], s.v_fmt, s.v_group, "token", keep) for s in extra]
+        xk, xv = (_Operand * n_x)(*ks), (_Operand * n_x)(*vs)
+        starts = torch.cat([s.start.to(torch.int64).reshape(b) for s in extra])  # [n_x * B]
+        ends = torch.tensor([s.end for s in extra], dtype=torch.int64)
+        keep += [starts, ends]
+        xstart, xend = starts.data_ptr(), ends.data_ptr()
     rc = lib.kvq_decode(
         qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), start.data_ptr(),
         end, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
         _threads(b * hkv * end) if threads is None else threads,
-        fk, fv, None if valid is None else valid.data_ptr(), n_fp,
+        fk, fv, None if valid is None else valid.data_ptr(), n_fp, xk, xv, xstart, xend, n_x,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("native CPU decode kernel: out of memory")

@@ -878,6 +878,9 @@ typedef struct {
     const kvq_operand *fp_k, *fp_v; /* full-precision tokens (first job only), or NULL */
     const uint8_t *fp_valid;       /* [B, n_fp]: 1 = attend */
     int64_t n_fp;
+    const kvq_operand *xk, *xv;    /* more quantized segments (first job only): [n_x] each */
+    const int64_t *xstart, *xend;  /* [n_x, B] first token per row, [n_x] exclusive ends */
+    int64_t n_x;
     int status;
 } kvq_job;
 
@@ -901,6 +904,11 @@ static void *run_job(void *arg) {
             if (j->fp_k) /* the full-precision tokens, once (first job), masked per row */
                 decode_head(qh, G, D, j->fp_k, j->fp_v, b, h, 0, j->n_fp, j->scaling, j->softcap, kf, vf, idx,
                             sc, m, l, acc, j->fp_valid ? j->fp_valid + b * j->n_fp : NULL);
+            for (int64_t x = 0; x < j->n_x; x++) { /* more segments (e.g. the recent window), once */
+                const int64_t s0 = j->xstart[x * j->B + b];
+                decode_head(qh, G, D, &j->xk[x], &j->xv[x], b, h, s0 > 0 ? s0 : 0, j->xend[x], j->scaling,
+                            j->softcap, kf, vf, idx, sc, m, l, acc, NULL);
+            }
             const int64_t t_begin = j->start[b] > j->r0 ? j->start[b] : j->r0;
             decode_head(qh, G, D, j->k, j->v, b, h, t_begin, j->r1, j->scaling, j->softcap, kf, vf, idx, sc,
                         m, l, acc, NULL);
@@ -913,12 +921,17 @@ static void *run_job(void *arg) {
 /* q [B, Hkv, G, D] fp32 contiguous; start [B]: first token of each row in the slice; T: slice length.
  * Writes out [B, Hkv, G, D] and lse [B, Hkv, G] (natural log; -inf and zeros for an empty row).
  * softcap <= 0: none. fp_k / fp_v (bits 32, float rows, n_fp tokens; NULL when n_fp is 0): full-
- * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1 (NULL: all). n_threads > 1 splits the tokens into that many ranges (split-KV, one thread
- * each, OpenMP), merged by log-sum-exp. Returns 0, or -1 when out of memory. */
+ * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1 (NULL: all). xk / xv
+ * [n_x]: more quantized segments in the same softmax (the recent window), tokens [xstart[x, b],
+ * xend[x]) of each; read by the first thread like the full-precision tokens (they are short).
+ * n_threads > 1 splits the main slice into that many ranges (split-KV, one thread each, OpenMP),
+ * merged by log-sum-exp. Returns 0, or -1 when out of memory. */
 int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                const kvq_operand *k, const kvq_operand *v, const int64_t *start, int64_t T,
                float scaling, float softcap, float *out, float *lse, int n_threads,
-               const kvq_operand *fp_k, const kvq_operand *fp_v, const uint8_t *fp_valid, int64_t n_fp) {
+               const kvq_operand *fp_k, const kvq_operand *fp_v, const uint8_t *fp_valid, int64_t n_fp,
+               const kvq_operand *xk, const kvq_operand *xv, const int64_t *xstart, const int64_t *xend,
+               int64_t n_x) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > 64) n_threads = 64;
     int64_t lo = T;
@@ -936,6 +949,7 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
         j->status = 0;
         j->fp_k = w == 0 && n_fp > 0 ? fp_k : NULL;
         j->fp_v = fp_v; j->fp_valid = fp_valid; j->n_fp = n_fp;
+        j->xk = xk; j->xv = xv; j->xstart = xstart; j->xend = xend; j->n_x = w == 0 ? n_x : 0;
         if (w == 0) {
             j->acc = out; j->m = lse; j->l = malloc(sizeof(float) * (size_t)n_part);
         } else {

@@ -348,3 +348,49 @@ def test_an_empty_store_range_leaves_the_full_precision_tokens():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     got = ops.decode_attention(*tensors, **args, fp_k=fk, fp_v=fv, backend="chunked")
     _close(got, dense_decode_attention_ref(tensors[0], fk, fv, None, args["scaling"]))
+
+
+def _segment(k_fmt, v_fmt, t, seed, k_axis="token", k_group=32):
+    """A second quantized segment (as the recent window is) and what it holds, dequantized."""
+    tensors, args = _decode_case(k_fmt, v_fmt, t=t, k_group=k_group, k_axis=k_axis, seed=seed)
+    seg = ops.SegmentRead(
+        *tensors[1:],
+        k_fmt=k_fmt,
+        v_fmt=v_fmt,
+        k_group=k_group,
+        v_group=args["v_group"],
+        k_axis=k_axis,
+        start=torch.tensor([3, 0]),
+        end=t if k_axis == "channel" else t - 2,  # a per-channel store holds whole blocks
+    )
+    args = dict(args, start=seg.start, end=seg.end)
+    return seg, tensors, args
+
+
+@pytest.mark.parametrize("backend", [None, "cpu", "chunked", "reference"])
+def test_more_segments_join_the_same_softmax(backend):
+    """The recent window as one more segment: one C call (no merge) equals the reference's partials
+    of the main store, the full-precision tokens and each segment merged by log-sum-exp; a segment
+    of formats the main call's backend does not read goes through its own dispatch."""
+    if backend == "cpu" and not HAS_C:
+        pytest.skip("no C compiler")
+    tensors, args = _decode_case("tcq3", "int2", t=70, k_group=32, v_group=64, seed=3)
+    q = tensors[0]
+    fk, fv = torch.randn(2, 2, 5, 64), torch.randn(2, 2, 5, 64)
+    valid = torch.tensor([[True, False, True, True, True], [False, True, True, False, True]])
+    recent, r_tensors, r_args = _segment("nuq4", "nuq4", 21, seed=4)
+    kivi, c_tensors, c_args = _segment("int2", "int4", 20, seed=5, k_axis="channel", k_group=5)
+    parts = [
+        quantized_decode_attention_ref(*tensors, **args),
+        dense_decode_attention_ref(q, fk, fv, valid, args["scaling"]),
+        quantized_decode_attention_ref(q, *r_tensors[1:], **r_args),
+        quantized_decode_attention_ref(q, *c_tensors[1:], **c_args),
+    ]
+    want = merge_attention([o for o, _ in parts], [lse for _, lse in parts])
+    fp = dict(fp_k=fk, fp_v=fv, fp_valid=valid)
+    got = ops.decode_attention(*tensors, **args, **fp, extra=(recent, kivi), backend=backend)
+    _close(got, want)
+    # a segment that reads nothing (its range empty) adds nothing
+    empty = ops.SegmentRead(**{**recent.__dict__, "start": torch.tensor([9, 9]), "end": 9})
+    _close(ops.decode_attention(*tensors, **args, **fp, extra=(empty,), backend=backend), merge_attention(
+        [o for o, _ in parts[:2]], [lse for _, lse in parts[:2]]))  # fmt: skip
