@@ -9,9 +9,10 @@ the call and otherwise a short reason (shown when a caller forces a backend that
 Every backend implements each op it supports with the op's one signature (see ``ops``):
 
 - ``decode_attention(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, k_fmt, v_fmt, k_group,
-  v_group, k_axis, start, end, scaling, softcap, fp_k, fp_v, fp_valid, extra) -> (out, lse)``; a
-  backend with ``takes_fp_tokens = False`` is never handed ``fp_k``, one with ``takes_segments =
-  False`` never ``extra`` (the op reads those apart and merges them itself);
+  v_group, k_axis, start, end, scaling, softcap, fp_k, fp_v, fp_valid, extra, rotation) -> (out,
+  lse)``; a backend with ``takes_fp_tokens = False`` is never handed ``fp_k``, one with
+  ``takes_segments = False`` never ``extra`` (the op reads those apart and merges them itself), one
+  with ``takes_rotation = False`` never ``rotation`` (the op rotates around it);
 - ``quantize_append(x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool``
   (False: refused these values, nothing counted written; the next backend runs, the reference
   raises the spec's error);
@@ -149,7 +150,9 @@ class Backend:
     ``devices``: device types it runs on (``ops`` checks them); ``interpretable``: runs on CPU tensors
     under Triton's interpreter when a caller forces it (tests), never when ``ops`` picks freely;
     ``takes_fp_tokens``: ``decode_attention`` attends full-precision tokens in the same softmax itself;
-    ``takes_segments``: ``decode_attention`` also reads more quantized segments (``extra``) in it.
+    ``takes_segments``: ``decode_attention`` also reads more quantized segments (``extra``) in it;
+    ``takes_rotation``: ``decode_attention`` rotates the query and the fp tokens into the stores'
+    space and the output back itself (``rotation=True``).
     """
 
     name = "backend"
@@ -157,6 +160,7 @@ class Backend:
     interpretable = False
     takes_fp_tokens = False
     takes_segments = False
+    takes_rotation = False
 
     def available(self) -> str | None:
         """None when the backend can run at all (built, importable), else why not."""

@@ -194,6 +194,7 @@ def decode_attention(
     fp_v: torch.Tensor | None = None,
     fp_valid: torch.Tensor | None = None,
     extra: tuple[SegmentRead, ...] = (),
+    rotation: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-query-token attention over buffer indices ``[start[b], end)`` of a quantized store, plus
@@ -211,6 +212,10 @@ def decode_attention(
         extra: more quantized segments (:class:`SegmentRead`; the recent window), attended in the
             same softmax: in the same kernel call by a backend that reads them all (C), else each
             through its own dispatch and merged here by log-sum-exp.
+        rotation: the stores (main and ``extra``) hold Hadamard-rotated vectors (:func:`rotate`; the
+            key transform's rotation) while ``q``, the fp tokens and the output are in the model's
+            space: the C backend rotates them in its kernel call, for the others the op rotates
+            ``q`` and the fp tokens in and the output back. The lse is that of the same scores.
 
     Returns:
         ``out [B, Hq, D]`` fp32 and ``lse [B, Hq]`` fp32 (natural log; nothing to attend:
@@ -242,8 +247,18 @@ def decode_attention(
         softcap=softcap,
     )
     tensors = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    forced = backend is not None
+    if rotation and q.shape[-1] & (q.shape[-1] - 1):
+        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {q.shape[-1]}")
+    if rotation and not (b.takes_rotation and (not extra or _reads_segments(b, extra, q, forced))):
+        fp_r = dict(fp_k=rotate(fp_k.float()), fp_v=rotate(fp_v.float())) if fp else {}
+        kw_r = dict(kw, fp_valid=fp_valid, extra=extra, backend=backend)
+        out, lse = decode_attention(rotate(q.float()), *tensors[1:], **kw_r, **fp_r)
+        return rotate(out), lse
+    if rotation:
+        kw["rotation"] = True
     if extra:
-        if _reads_segments(b, extra, q, forced=backend is not None):
+        if _reads_segments(b, extra, q, forced):
             fp_kw = dict(fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid) if fp else {}
             return b.decode_attention(*tensors, **kw, **fp_kw, extra=extra)
         parts = [decode_attention(*tensors, **kw, fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid, backend=backend)]

@@ -86,8 +86,9 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
         out, _ = dense_attention(q[:, :, None], fp_k, fp_v, mask, scaling, softcap)
         return out.transpose(1, 2).to(query.dtype)
     t = view.transform
-    q_stored = t.fold_query(q)  # scores the stored keys; the fp tokens go into the same space
-    fp_k, fp_v = t.apply(fp_k, fp_v)
+    # smoothing folded here; the rotation (of q and the fp tokens in, the output back) in the op
+    q_stored = t.fold_query(q, rotate=False)
+    fp_k, fp_v = t.apply(fp_k, fp_v, rotate=False)
     main, *more = view.reads  # the main store, then the recent window (read in the same softmax)
     extra = tuple(
         ops.SegmentRead(
@@ -120,8 +121,9 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
         fp_v=fp_v,
         fp_valid=valid,
         extra=extra,
+        rotation=t.rotated,
     )  # [B, Hq, D]
-    return t.undo_output(out)[:, None].to(query.dtype)  # [B, 1, Hq, D]
+    return out[:, None].to(query.dtype)  # [B, 1, Hq, D]
 
 
 # --------------------------------------------------------------------------------------------- masks

@@ -8,9 +8,11 @@ tokens quantized, padding and sinks excluded). Attention over the stored operand
 - every score (stored or full precision, once those go through :meth:`KeyTransform.apply` too) is
   short by the same ``q . mean``: the softmax is unchanged and :meth:`KeyTransform.shift_lse` adds
   ``scaling * q . mean`` back to the log-sum-exp (exact without softcap);
-- the output is in the rotated value space: :meth:`KeyTransform.undo_output` rotates it back.
+- the output is in the rotated value space and is rotated back. The decode rotates the query, the
+  full-precision tokens and the output with ``ops.decode_attention(rotation=True)`` (inside the C
+  kernel's call on CPU), so ``fold_query`` / ``apply`` take ``rotate=False`` there.
 
-Used by the cache layer (apply / undo), the ``kvquant`` attention (fold / shift / undo) and
+Used by the cache layer (apply / undo), the ``kvquant`` attention (fold, smoothing of the fp tokens) and
 ``kvquant calibrate`` (static scales are measured on the keys as they are stored).
 
 Example:
@@ -39,6 +41,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 unrotate = rotate
+_rotate = rotate  # (the methods' ``rotate`` flag shadows the name)
 
 
 class KeyTransform:
@@ -93,15 +96,18 @@ class KeyTransform:
 
     # ------------------------------------------------------------------------------------ stored space
 
-    def apply(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k, v [B, H, n, D]`` -> the stored space (keys fp32 once smoothed)."""
+    def apply(
+        self, k: torch.Tensor, v: torch.Tensor, rotate: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v [B, H, n, D]`` -> the stored space (keys fp32 once smoothed); ``rotate=False``:
+        smoothed only (for a kernel that rotates them itself: ``ops.decode_attention(rotation=...)``)."""
         if self.stats is not None:
             mean, std = self.stats
             k = k.float() - mean.float()
             if std is not None:
                 k = k / std.float()
-        if self.rotated:
-            k, v = rotate(k), rotate(v)
+        if self.rotated and rotate:
+            k, v = _rotate(k), _rotate(v)
         return k, v
 
     def undo(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,15 +127,12 @@ class KeyTransform:
     def _per_query_head(self, t: torch.Tensor, hq: int) -> torch.Tensor:  # [B, Hkv, 1, D] -> [B, Hq, D]
         return t[:, :, 0].float().repeat_interleave(hq // t.shape[1], dim=1)
 
-    def fold_query(self, q: torch.Tensor) -> torch.Tensor:
-        """``q[B, Hq, D]`` -> the query that scores stored keys: ``R (q * std)``."""
+    def fold_query(self, q: torch.Tensor, rotate: bool = True) -> torch.Tensor:
+        """``q[B, Hq, D]`` -> the query that scores stored keys: ``R (q * std)`` (``rotate=False``:
+        ``q * std``, for a kernel that rotates it itself)."""
         if self.stats is not None and self.stats[1] is not None:
             q = q.float() * self._per_query_head(self.stats[1], q.shape[1])
-        return rotate(q) if self.rotated else q
-
-    def undo_output(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[B, Hq, D]`` over stored values -> the model's value space."""
-        return unrotate(out) if self.rotated else out
+        return _rotate(q) if self.rotated and rotate else q
 
     def shift_lse(self, lse: torch.Tensor, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """``lse[B, Hq]`` of scores ``q . (k - mean)`` -> of ``q . k`` (``q[B, Hq, D]`` unfolded)."""

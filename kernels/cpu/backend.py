@@ -35,6 +35,7 @@ class CpuBackend(Backend):
     devices = frozenset({"cpu"})
     takes_fp_tokens = True
     takes_segments = True
+    takes_rotation = True
 
     def available(self) -> str | None:
         return None if native_available() else f"C kernels unavailable: {native_error()}"

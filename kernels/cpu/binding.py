@@ -180,6 +180,7 @@ def decode_attention_native(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     extra: tuple = (),
+    rotation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kvquant.kernels.chunked.decode_attention_torch` in C (CPU tensors; see there for shapes).
 
@@ -187,6 +188,9 @@ def decode_attention_native(
     tokens (sinks, residual, the new token) attended in the same softmax where valid, so the result is the whole
     attention and needs no merge. ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
     ``out [B, Hq, D]`` / ``lse [B, Hq]``: fp32 contiguous buffers to write into (default: new).
+    ``extra``: more segments (:class:`kvquant.kernels.backend.SegmentRead`) in the same softmax;
+    ``rotation``: the stores hold Hadamard-rotated vectors, ``q``, the fp tokens and ``out`` do not
+    (the kernel rotates them in and the output back).
     Raises ``RuntimeError`` when the kernel is unavailable (check :func:`native_available`) and
     ``ValueError`` for a format it does not read.
 
@@ -242,6 +246,7 @@ def decode_attention_native(
         end, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
         _threads(b * hkv * end) if threads is None else threads,
         fk, fv, None if valid is None else valid.data_ptr(), n_fp, xk, xv, xstart, xend, n_x,
+        1.0 / math.sqrt(d) if rotation else 0.0,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("native CPU decode kernel: out of memory")

@@ -108,7 +108,7 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.kvq_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [p, i64, i64, i64, i64, op, op, p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
-    fn.argtypes += [op, op, p, i64, op, op, p, p, i64]
+    fn.argtypes += [op, op, p, i64, op, op, p, p, i64, ctypes.c_float]
     qz = lib.kvq_quantize
     qz.restype = ctypes.c_int
     qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]

@@ -881,6 +881,8 @@ typedef struct {
     const kvq_operand *xk, *xv;    /* more quantized segments (first job only): [n_x] each */
     const int64_t *xstart, *xend;  /* [n_x, B] first token per row, [n_x] exclusive ends */
     int64_t n_x;
+    float rot_scale; /* > 0: the stores hold rotated vectors; rotate q and the fp tokens in (and, in
+                        kvq_decode, the output back) with fwht_row(., D, rot_scale) */
     int status;
 } kvq_job;
 
@@ -893,7 +895,11 @@ static void *run_job(void *arg) {
     float *vf = malloc(sizeof(float) * (size_t)(rows * D));
     uint8_t *idx = malloc((size_t)D);
     float *sc = malloc(sizeof(float) * (size_t)(G * BLOCK_T));
-    j->status = (!kf || !vf || !idx || !sc) ? -1 : 0;
+    const int rot = j->rot_scale > 0.0f;
+    const int64_t n_fp_rot = rot && j->fp_k ? j->n_fp : 0;
+    float *qr = rot ? malloc(sizeof(float) * (size_t)(G * D)) : NULL;               /* [G, D] */
+    float *fkr = n_fp_rot ? malloc(sizeof(float) * (size_t)(2 * n_fp_rot * D)) : NULL; /* [2, n_fp, D] */
+    j->status = (!kf || !vf || !idx || !sc || (rot && !qr) || (n_fp_rot && !fkr)) ? -1 : 0;
     for (int64_t b = 0; b < j->B && j->status == 0; b++) {
         for (int64_t h = 0; h < j->Hkv; h++) {
             const int64_t bh = b * j->Hkv + h;
@@ -901,8 +907,31 @@ static void *run_job(void *arg) {
             float *acc = j->acc + bh * G * D, *m = j->m + bh * G, *l = j->l + bh * G;
             for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
             for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
-            if (j->fp_k) /* the full-precision tokens, once (first job), masked per row */
-                decode_head(qh, G, D, j->fp_k, j->fp_v, b, h, 0, j->n_fp, j->scaling, j->softcap, kf, vf, idx,
+            if (rot) { /* the query into the stores' rotated space */
+                memcpy(qr, qh, sizeof(float) * (size_t)(G * D));
+                for (int64_t g = 0; g < G; g++) fwht_row(qr + g * D, D, j->rot_scale);
+                qh = qr;
+            }
+            const kvq_operand *fk = j->fp_k, *fv = j->fp_v;
+            kvq_operand rk, rv; /* this (row, head)'s fp tokens, rotated, as 32-bit rows */
+            if (n_fp_rot) {
+                float *rows[2] = {fkr, fkr + n_fp_rot * D};
+                const kvq_operand *src[2] = {j->fp_k, j->fp_v};
+                for (int s = 0; s < 2; s++)
+                    for (int64_t t = 0; t < n_fp_rot; t++) {
+                        load_row(src[s], b, h, t, (int)D, idx, rows[s] + t * D);
+                        fwht_row(rows[s] + t * D, D, j->rot_scale);
+                    }
+                rk = *j->fp_k;
+                rk.codes = (const uint8_t *)rows[0];
+                rk.code_sb = rk.code_sh = 0;
+                rk.code_st = (int64_t)sizeof(float) * D;
+                rv = rk;
+                rv.codes = (const uint8_t *)rows[1];
+                fk = &rk, fv = &rv;
+            }
+            if (fk) /* the full-precision tokens, once (first job), masked per row */
+                decode_head(qh, G, D, fk, fv, b, h, 0, j->n_fp, j->scaling, j->softcap, kf, vf, idx,
                             sc, m, l, acc, j->fp_valid ? j->fp_valid + b * j->n_fp : NULL);
             for (int64_t x = 0; x < j->n_x; x++) { /* more segments (e.g. the recent window), once */
                 const int64_t s0 = j->xstart[x * j->B + b];
@@ -914,7 +943,7 @@ static void *run_job(void *arg) {
                         m, l, acc, NULL);
         }
     }
-    free(kf); free(vf); free(idx); free(sc);
+    free(kf); free(vf); free(idx); free(sc); free(qr); free(fkr);
     return NULL;
 }
 
@@ -924,6 +953,9 @@ static void *run_job(void *arg) {
  * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1 (NULL: all). xk / xv
  * [n_x]: more quantized segments in the same softmax (the recent window), tokens [xstart[x, b],
  * xend[x]) of each; read by the first thread like the full-precision tokens (they are short).
+ * rot_scale > 0 (1 / sqrt(D), D a power of two): the stores hold Hadamard-rotated vectors (the key
+ * transform's rotation) and q, the fp tokens and out are in the model's space: q and the fp tokens
+ * are rotated in (fwht_row), out rotated back; 0: no rotation.
  * n_threads > 1 splits the main slice into that many ranges (split-KV, one thread each, OpenMP),
  * merged by log-sum-exp. Returns 0, or -1 when out of memory. */
 int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
@@ -931,7 +963,7 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                float scaling, float softcap, float *out, float *lse, int n_threads,
                const kvq_operand *fp_k, const kvq_operand *fp_v, const uint8_t *fp_valid, int64_t n_fp,
                const kvq_operand *xk, const kvq_operand *xv, const int64_t *xstart, const int64_t *xend,
-               int64_t n_x) {
+               int64_t n_x, float rot_scale) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > 64) n_threads = 64;
     int64_t lo = T;
@@ -950,6 +982,7 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
         j->fp_k = w == 0 && n_fp > 0 ? fp_k : NULL;
         j->fp_v = fp_v; j->fp_valid = fp_valid; j->n_fp = n_fp;
         j->xk = xk; j->xv = xv; j->xstart = xstart; j->xend = xend; j->n_x = w == 0 ? n_x : 0;
+        j->rot_scale = rot_scale;
         if (w == 0) {
             j->acc = out; j->m = lse; j->l = malloc(sizeof(float) * (size_t)n_part);
         } else {
@@ -1002,6 +1035,7 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                 for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
                 lse[p] = -INFINITY;
             }
+            if (rot_scale > 0.0f) fwht_row(acc, D, rot_scale); /* the output back from the rotated space */
         }
     }
     free(jobs[0].l);

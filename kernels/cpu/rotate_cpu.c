@@ -12,18 +12,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvq_common.h"
+
 void kvq_rotate(const float *x, int64_t xs, float *y, int64_t n, int64_t d, float scale, int n_threads) {
 #pragma omp parallel for num_threads(n_threads < 1 ? 1 : n_threads) schedule(static) if (n_threads > 1)
     for (int64_t i = 0; i < n; i++) {
         float *r = y + i * d;
         memcpy(r, x + i * xs, sizeof(float) * (size_t)d);
-        for (int64_t h = 1; h < d; h *= 2)
-            for (int64_t b = 0; b < d; b += 2 * h)
-                for (int64_t j = b; j < b + h; j++) {
-                    const float u = r[j], v = r[j + h];
-                    r[j] = u + v;
-                    r[j + h] = u - v;
-                }
-        for (int64_t j = 0; j < d; j++) r[j] *= scale;
+        fwht_row(r, d, scale);
     }
 }

@@ -394,3 +394,27 @@ def test_more_segments_join_the_same_softmax(backend):
     empty = ops.SegmentRead(**{**recent.__dict__, "start": torch.tensor([9, 9]), "end": 9})
     _close(ops.decode_attention(*tensors, **args, **fp, extra=(empty,), backend=backend), merge_attention(
         [o for o, _ in parts[:2]], [lse for _, lse in parts[:2]]))  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", [None, "cpu", "chunked", "reference"])
+def test_rotation_rotates_the_query_and_fp_tokens_in_and_the_output_back(backend):
+    """``rotation=True``: stores of rotated vectors, the rest in the model's space. Equals rotating
+    by hand around the reference: ``R . attn(R q; stores, R fp)``, also with more segments."""
+    if backend == "cpu" and not HAS_C:
+        pytest.skip("no C compiler")
+    tensors, args = _decode_case("nuq4", "nuq3", t=40, k_group=64, v_group=64, seed=8)
+    q = tensors[0] * 3
+    fk, fv = torch.randn(2, 2, 6, 64), torch.randn(2, 2, 6, 64)
+    valid = torch.rand(2, 6) > 0.4
+    valid[:, -1] = True
+    recent, *_ = _segment("int4", "int4", 17, seed=9)
+    rot = ops.rotate
+    fp = dict(fp_k=fk, fp_v=fv, fp_valid=valid)
+    for extra in ((), (recent,)):
+        ref = dict(fp_k=rot(fk), fp_v=rot(fv), fp_valid=valid, extra=extra, backend="reference")
+        w_out, w_lse = ops.decode_attention(rot(q), *tensors[1:], **args, **ref)
+        got = ops.decode_attention(q, *tensors[1:], **args, **fp, extra=extra, rotation=True, backend=backend)
+        _close(got, (rot(w_out), w_lse))
+    with pytest.raises(ValueError, match="power-of-two head_dim, got 48"):
+        t48, a48 = _decode_case("int8", "int8", d=48, k_group=48, v_group=48)
+        ops.decode_attention(*t48, **a48, rotation=True, backend=backend)
