@@ -85,6 +85,18 @@ class SegmentRead:
     def tensors(self) -> tuple:
         return self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero
 
+    def call_kwargs(self) -> dict:
+        """What ``ops.decode_attention`` takes about this segment besides its tensors."""
+        return dict(
+            k_fmt=self.k_fmt,
+            v_fmt=self.v_fmt,
+            k_group=self.k_group,
+            v_group=self.v_group,
+            k_axis=self.k_axis,
+            start=self.start,
+            end=self.end,
+        )
+
     def call_fields(self, head_dim: int, device: str) -> tuple:
         """The fields of the :class:`DecodeCall` that reads this segment alone."""
         k_sdt = None if self.k_scale is None else self.k_scale.dtype

@@ -263,8 +263,7 @@ def decode_attention(
             return b.decode_attention(*tensors, **kw, **fp_kw, extra=extra)
         parts = [decode_attention(*tensors, **kw, fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid, backend=backend)]
         for s in extra:
-            s_kw = dict(kw, k_fmt=s.k_fmt, v_fmt=s.v_fmt, k_group=s.k_group, v_group=s.v_group)
-            s_kw.update(k_axis=s.k_axis, start=s.start, end=s.end)
+            s_kw = dict(kw, **s.call_kwargs())
             parts.append(decode_attention(q, *s.tensors(), **s_kw, backend=backend))
         return merge_attention([o for o, _ in parts], [lse for _, lse in parts])
     if fp and b.takes_fp_tokens:

@@ -89,8 +89,8 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
     # smoothing folded here; the rotation (of q and the fp tokens in, the output back) in the op
     q_stored = t.fold_query(q, rotate=False)
     fp_k, fp_v = t.apply(fp_k, fp_v, rotate=False)
-    main, *more = view.reads  # the main store, then the recent window (read in the same softmax)
-    extra = tuple(
+    # the main store, then the recent window: all in the same softmax (one C kernel call on CPU)
+    main, *more = [
         ops.SegmentRead(
             *r.k.tensors(),
             *r.v.tensors(),
@@ -102,25 +102,18 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
             start=r.start,
             end=r.end,
         )
-        for r in more
-    )
+        for r in view.reads
+    ]
     out, _ = ops.decode_attention(
         q_stored,
-        *main.k.tensors(),
-        *main.v.tensors(),
-        k_fmt=main.k.fmt,
-        v_fmt=main.v.fmt,
-        k_group=main.k.group,
-        v_group=main.v.group,
-        k_axis=main.k.axis,
-        start=main.start,
-        end=main.end,
+        *main.tensors(),
+        **main.call_kwargs(),
         scaling=scaling,
         softcap=softcap,
         fp_k=fp_k,
         fp_v=fp_v,
         fp_valid=valid,
-        extra=extra,
+        extra=tuple(more),
         rotation=t.rotated,
     )  # [B, Hq, D]
     return out[:, None].to(query.dtype)  # [B, 1, Hq, D]

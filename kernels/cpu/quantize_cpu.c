@@ -399,6 +399,41 @@ int kvq_quantize_fp8(const float *x, int64_t B, int64_t H, int64_t n, int64_t D,
  */
 
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* One step of trellis_pass below for K = 4 or 8 codes per state and P % 8 == 0 predecessor groups,
+ * 8 lanes at a time, the same IEEE operations in the same order (so the same costs, the same
+ * choices): the least of each group's K predecessors (strict <, in j order: ties to the first),
+ * then next[p K + b] = best[p] + (y_t - table[p K + b])^2, the square rounded before the sum. */
+__attribute__((optimize("fp-contract=off"))) static void trellis_step_avx2(
+    const float *restrict cost, float *restrict next, uint8_t *restrict back, const float *restrict table,
+    float yt, int K, int P) {
+    float best[1024];
+    int32_t from[1024];
+    for (int p = 0; p < P; p += 8) {
+        __m256 bv = _mm256_loadu_ps(cost + p);
+        __m256i fv = _mm256_setzero_si256();
+        for (int j = 1; j < K; j++) {
+            const __m256 c = _mm256_loadu_ps(cost + j * P + p);
+            const __m256 lt = _mm256_cmp_ps(c, bv, _CMP_LT_OQ); /* NaN: not less, as in C */
+            bv = _mm256_blendv_ps(bv, c, lt);
+            fv = _mm256_blendv_epi8(fv, _mm256_set1_epi32(j), _mm256_castps_si256(lt));
+        }
+        _mm256_storeu_ps(best + p, bv);
+        _mm256_storeu_si256((__m256i *)(from + p), fv);
+    }
+    for (int p = 0; p < P; p++) back[p] = (uint8_t)from[p];
+    const __m256 y = _mm256_set1_ps(yt);
+    for (int s = 0; s < P * K; s += 8) { /* 8 states: one group (K = 8) or two (K = 4) */
+        const __m256 bb = K == 8 ? _mm256_set1_ps(best[s / 8])
+                                 : _mm256_setr_m128(_mm_set1_ps(best[s / 4]), _mm_set1_ps(best[s / 4 + 1]));
+        const __m256 e = _mm256_sub_ps(y, _mm256_loadu_ps(table + s));
+        _mm256_storeu_ps(next + s, _mm256_add_ps(bb, _mm256_mul_ps(e, e)));
+    }
+}
+#endif
+
 /* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
  * cost / next: [S] floats, back: [d * P] bytes; writes states[0..d) and returns the least error. */
 __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
@@ -410,7 +445,19 @@ __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
         const float sq = e * e;
         cost[s] = (history >= 0 && (s >> k) != history) ? INFINITY : sq;
     }
+#if defined(__AVX2__)
+    const int wide = (K == 4 || K == 8) && P % 8 == 0 && P <= 1024;
+#endif
     for (int64_t t = 1; t < d; t++) {
+#if defined(__AVX2__)
+        if (wide) {
+            trellis_step_avx2(cost, next, back + t * P, table, y[t], K, P);
+            float *tmp = cost;
+            cost = next;
+            next = tmp;
+            continue;
+        }
+#endif
         for (int p = 0; p < P; p++) { /* predecessors of the states p*K + b: p | j << shift */
             float best = cost[p];
             int bj = 0;
