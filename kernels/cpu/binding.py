@@ -84,6 +84,7 @@ def _operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
     op = _Operand(codes.data_ptr(), sb, sh, st)
     op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.signed), 1, 1
     op.state_codes = spec.state_codes
+    op.fp8 = spec.triton_read().fp8  # 1 e4m3fn, 2 e5m2: the AVX2 path widens them through fp16
     op.lut = None if lut is None else lut.data_ptr()
     if scale is None:
         return op

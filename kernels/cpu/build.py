@@ -61,6 +61,7 @@ class _Operand(ctypes.Structure):
         ("group", ctypes.c_int32),
         ("scale_dtype", ctypes.c_int32),
         ("state_codes", ctypes.c_int32),
+        ("fp8", ctypes.c_int32),
     ]
 
 

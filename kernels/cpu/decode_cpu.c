@@ -35,6 +35,7 @@ typedef struct {
     int32_t group;                    /* channel axis: tokens per scale row */
     int32_t scale_dtype;              /* scale / zero storage: 0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3fn */
     int32_t state_codes;              /* trellis: codes per state m (lut has 2^(m*bits) entries); 0: one code per element */
+    int32_t fp8;                      /* 1: float8 e4m3fn codes, 2: e5m2 (lut holds their values too); 0: not fp8 */
 } kvq_operand;
 
 /* n scale / zero entries starting at element i of p (stored as `dtype`) -> fp32 dst. */
@@ -683,6 +684,20 @@ static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, 
                     const __m256i hi = _mm256_srl_epi32(bytes8(row + off1[c]), _mm_cvtsi32_si128(shift1[c]));
                     ci = _mm256_or_si256(ci, _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), 2));
                 }
+#if defined(__F16C__)
+                if (o->fp8 && o->bits == 8) { /* fp8 -> fp16 bits (exact), then F16C: no gather */
+                    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + off[c])));
+                    if (o->fp8 == 2) { /* e5m2 is the high byte of an fp16 */
+                        x = _mm256_cvtph_ps(_mm_slli_epi16(w, 8));
+                    } else { /* e4m3fn: |x| bits at fp16's place are x / 2^8; 0x7f is NaN */
+                        const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+                        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_xor_si128(w, mag), 8), _mm_slli_epi16(mag, 7));
+                        x = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+                        const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f));
+                        x = _mm256_blendv_ps(x, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+                    }
+                } else
+#endif
                 if (n_lut > 8) /* the level of code c: entry c & 7 of the half that bit 3 picks */
                     x = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, ci), _mm256_permutevar8x32_ps(lut_hi, ci),
                                          _mm256_castsi256_ps(_mm256_slli_epi32(ci, 28)));

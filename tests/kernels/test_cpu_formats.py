@@ -388,3 +388,29 @@ def test_trellis_quantize_dispatch_and_threads():
         _bytes(scale[:, :, 4:25]), _bytes(ref.scale)
     )
     _threads_agree_then_refuse("tcq3", 51, float("inf"))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_byte_decodes_to_its_value(fmt):
+    """Each of the 256 bytes (subnormals, the largest values, signed zeros; NaN / Inf bytes apart)
+    as keys and values: the C decode (AVX2: widened through fp16 bits, no table) equals the reference."""
+    dtype = format_spec(fmt).code_dtype
+    raw = torch.arange(256, dtype=torch.uint8)
+    value = raw.view(dtype).float()
+    finite = raw[value.isfinite()]  # [n] bytes whose value is finite
+    g = torch.Generator().manual_seed(1)
+    rows = finite[torch.randint(0, finite.numel(), (2, 2, 40, 64), generator=g)]
+    rows.view(-1)[: finite.numel()] = finite  # every finite byte at least once
+    codes = rows.view(dtype)
+    scale = torch.full((2, 2, 40, 1), 2.0**-6, dtype=torch.float16)  # keeps scores finite
+    q = torch.randn(2, 6, 64, generator=g)
+    args = dict(k_fmt=fmt, v_fmt=fmt, k_group=64, v_group=64, k_axis="token", scaling=0.125)
+    args.update(start=torch.tensor([0, 7]), end=40)
+    got = ops.decode_attention(q, codes, scale, None, codes, scale, None, **args, backend="cpu")
+    want = ops.decode_attention(q, codes, scale, None, codes, scale, None, **args, backend="reference")
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    nan = codes.clone()
+    nan.view(torch.uint8)[0, 1, 5, 3] = 0x7F  # NaN in both fp8 formats: that row's output is NaN
+    got = ops.decode_attention(q, nan, scale, None, codes, scale, None, **args, backend="cpu")
+    assert got[0][0, 3:6].isnan().all() and not got[0][0, :3].isnan().any() and not got[0][1].isnan().any()
