@@ -247,10 +247,10 @@ def decode_attention(
         softcap=softcap,
     )
     tensors = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    forced = backend is not None
-    if rotation and q.shape[-1] & (q.shape[-1] - 1):
-        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {q.shape[-1]}")
-    if rotation and not (b.takes_rotation and (not extra or _reads_segments(b, extra, q, forced))):
+    one_call = not extra or _reads_segments(b, extra, q, forced=backend is not None)  # b reads every segment
+    if rotation:
+        _check_rotation(q.shape[-1])
+    if rotation and not (b.takes_rotation and one_call):
         fp_r = dict(fp_k=rotate(fp_k.float()), fp_v=rotate(fp_v.float())) if fp else {}
         kw_r = dict(kw, fp_valid=fp_valid, extra=extra, backend=backend)
         out, lse = decode_attention(rotate(q.float()), *tensors[1:], **kw_r, **fp_r)
@@ -258,7 +258,7 @@ def decode_attention(
     if rotation:
         kw["rotation"] = True
     if extra:
-        if _reads_segments(b, extra, q, forced):
+        if one_call:
             fp_kw = dict(fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid) if fp else {}
             return b.decode_attention(*tensors, **kw, **fp_kw, extra=extra)
         parts = [decode_attention(*tensors, **kw, fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid, backend=backend)]
@@ -330,6 +330,11 @@ def encode(y: torch.Tensor, fmt: str, *, backend: str | None = None) -> torch.Te
 # --------------------------------------------------------------------------------------------- rotate
 
 
+def _check_rotation(d: int) -> None:
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
+
+
 def rotate(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``x[..., D] @ H`` for fp32 ``x``: ``H`` the normalized ``[D, D]`` Walsh-Hadamard matrix
     (orthogonal and symmetric, so the rotation is its own inverse; ``D`` a power of two). A new fp32
@@ -342,8 +347,7 @@ def rotate(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
         True
     """
     d = x.shape[-1] if x.dim() else 0
-    if d <= 0 or d & (d - 1):
-        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
+    _check_rotation(d)
     if x.dtype != torch.float32:
         raise ValueError(f"x: rotate takes float32, got {x.dtype}")
     return next(_pick("rotate", (d, x.device.type), backend)).rotate(x)
