@@ -17,7 +17,8 @@ Every backend implements each op it supports with the op's one signature (see ``
   (False: refused these values, nothing counted written; the next backend runs, the reference
   raises the spec's error);
 - ``encode(y, fmt) -> codes``;
-- ``rotate(x) -> x @ H / sqrt(D)`` (fp32 in and out, ``D`` a power of two);
+- ``rotate(x) -> x @ H`` (fp32 in and out, ``D`` even; ``H`` the normalized Hadamard matrix, block-diagonal
+  in blocks of the largest power of two dividing ``D``);
 - ``dequantize(codes, scale, zero, i0, i1, *, fmt, group, axis, head_dim) -> x`` (fp32
   ``[B, H, i1 - i0, D]``: buffer indices ``[i0, i1)`` of a store).
 

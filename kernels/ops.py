@@ -331,13 +331,14 @@ def encode(y: torch.Tensor, fmt: str, *, backend: str | None = None) -> torch.Te
 
 
 def _check_rotation(d: int) -> None:
-    if d <= 0 or d & (d - 1):
-        raise ValueError(f"rotation: Hadamard rotation needs a power-of-two head_dim, got {d}")
+    if d <= 0 or (d % 2 and d != 1):
+        raise ValueError(f"rotation: Hadamard rotation needs an even head_dim, got {d}")
 
 
 def rotate(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``x[..., D] @ H`` for fp32 ``x``: ``H`` the normalized ``[D, D]`` Walsh-Hadamard matrix
-    (orthogonal and symmetric, so the rotation is its own inverse; ``D`` a power of two). A new fp32
+    (orthogonal and symmetric, so the rotation is its own inverse; ``D`` even: block-diagonal in
+    blocks of the largest power of two dividing ``D``, see ``reference.rotation_block``). A new fp32
     tensor. C on CPU (one thread for a decode step's few rows, bit for bit the reference's fast
     transform), torch elsewhere.
 

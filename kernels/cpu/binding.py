@@ -17,6 +17,7 @@ import torch
 from kvquant.formats import FORMAT_NAMES, format_spec
 from kvquant.formats.trellis import TWO_PASS_FROM
 from kvquant.kernels.cpu.build import _library, _Operand, native_error
+from kvquant.kernels.reference import rotation_block
 
 MAX_HEAD_DIM = 512
 
@@ -247,7 +248,7 @@ def decode_attention_native(
         end, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
         _threads(b * hkv * end) if threads is None else threads,
         fk, fv, None if valid is None else valid.data_ptr(), n_fp, xk, xv, xstart, xend, n_x,
-        1.0 / math.sqrt(d) if rotation else 0.0,
+        1.0 / math.sqrt(rotation_block(d)) if rotation else 0.0,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("native CPU decode kernel: out of memory")
@@ -378,7 +379,7 @@ def trellis_encode_native(
 
 
 def rotate_native(x: torch.Tensor) -> torch.Tensor:
-    """``x[..., D]`` (CPU, fp32, ``D`` a power of two) rotated by the normalized Hadamard matrix in C:
+    """``x[..., D]`` (CPU, fp32, ``D`` even) rotated by the normalized Hadamard matrix in C:
     a new fp32 tensor, bit for bit :func:`kvquant.kernels.reference.rotate_ref`."""
     d = x.shape[-1]
     rows = x.reshape(-1, d)  # a view where the layout allows (decode: always), else one copy
@@ -387,7 +388,7 @@ def rotate_native(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.float32)
     n = rows.shape[0]
     _library().kvq_rotate(
-        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, 1.0 / math.sqrt(d), _threads(n)
+        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, 1.0 / math.sqrt(rotation_block(d)), _threads(n)
     )
     return out
 

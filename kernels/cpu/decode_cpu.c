@@ -968,7 +968,7 @@ static void *run_job(void *arg) {
  * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1 (NULL: all). xk / xv
  * [n_x]: more quantized segments in the same softmax (the recent window), tokens [xstart[x, b],
  * xend[x]) of each; read by the first thread like the full-precision tokens (they are short).
- * rot_scale > 0 (1 / sqrt(D), D a power of two): the stores hold Hadamard-rotated vectors (the key
+ * rot_scale > 0 (1 / sqrt(D & -D): see fwht_row): the stores hold Hadamard-rotated vectors (the key
  * transform's rotation) and q, the fp tokens and out are in the model's space: q and the fp tokens
  * are rotated in (fwht_row), out rotated back; 0: no rotation.
  * n_threads > 1 splits the main slice into that many ranges (split-KV, one thread each, OpenMP),

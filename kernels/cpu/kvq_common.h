@@ -16,11 +16,12 @@ static inline float e4m3_to_f32(uint8_t b) {
     return (b & 0x80) ? -v : v;
 }
 
-/* The normalized Walsh-Hadamard transform of one row r[0..d) in place (d a power of two), as
- * kvquant.kernels.reference.rotate_ref: for h = 1, 2, ..., d / 2, each block of 2h channels turns
- * its pairs (j, j + h) into (a + b, a - b); then every value times scale (1 / sqrt(d) in fp32). */
+/* The normalized Walsh-Hadamard transform of one row r[0..d) in place, block-diagonal in blocks of
+ * n = d & -d channels (the largest power of two dividing d; all of d when d is one), as
+ * kvquant.kernels.reference.rotate_ref: for h = 1, 2, ..., n / 2, each block of 2h channels turns
+ * its pairs (j, j + h) into (a + b, a - b); then every value times scale (1 / sqrt(n) in fp32). */
 static inline void fwht_row(float *r, int64_t d, float scale) {
-    for (int64_t h = 1; h < d; h *= 2)
+    for (int64_t h = 1; h < (d & -d); h *= 2)
         for (int64_t b = 0; b < d; b += 2 * h)
             for (int64_t j = b; j < b + h; j++) {
                 const float u = r[j], v = r[j + h];

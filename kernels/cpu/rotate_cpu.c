@@ -1,10 +1,8 @@
 /* The Hadamard rotation of head vectors: the cpu backend of kvquant.kernels.ops.rotate.
  *
- * kvq_rotate: y [n, d] = x [n, d] @ H_d / sqrt(d) (H_d the Walsh-Hadamard matrix, d a power of two),
- * as the fast transform of kvquant.kernels.reference.rotate_ref, pass for pass: for h = 1, 2, ...,
- * d / 2, each block of 2h channels turns its pairs (j, j + h) into (a + b, a - b); then every value is
- * multiplied by `scale` (1 / sqrt(d) rounded to fp32, as torch multiplies an fp32 tensor by it).
- * Each step is one IEEE addition, subtraction or product in the same order as the twin's, so the
+ * kvq_rotate: y [n, d] = x [n, d] @ H (H the normalized Walsh-Hadamard matrix, block-diagonal in
+ * blocks of the largest power of two dividing d), as fwht_row in kvq_common.h, pass for pass with
+ * kvquant.kernels.reference.rotate_ref; `scale` is 1 / sqrt(block) rounded to fp32. Each step is one IEEE addition, subtraction or product in the same order as the twin's, so the
  * result equals it bit for bit, whatever the vector width the compiler picks. Rows are independent:
  * they are split among threads.
  */

@@ -415,6 +415,9 @@ def test_rotation_rotates_the_query_and_fp_tokens_in_and_the_output_back(backend
         w_out, w_lse = ops.decode_attention(rot(q), *tensors[1:], **args, **ref)
         got = ops.decode_attention(q, *tensors[1:], **args, **fp, extra=extra, rotation=True, backend=backend)
         _close(got, (rot(w_out), w_lse))
-    with pytest.raises(ValueError, match="power-of-two head_dim, got 48"):
-        t48, a48 = _decode_case("int8", "int8", d=48, k_group=48, v_group=48)
-        ops.decode_attention(*t48, **a48, rotation=True, backend=backend)
+    t48, a48 = _decode_case("int8", "int8", d=48, k_group=48, v_group=48, seed=3)  # blocks of 16
+    fk48, fv48 = torch.randn(2, 2, 3, 48), torch.randn(2, 2, 3, 48)
+    ref48 = dict(fp_k=rot(fk48), fp_v=rot(fv48), backend="reference")
+    w_out, w_lse = ops.decode_attention(rot(t48[0]), *t48[1:], **a48, **ref48)
+    got = ops.decode_attention(*t48, **a48, fp_k=fk48, fp_v=fv48, rotation=True, backend=backend)
+    _close(got, (rot(w_out), w_lse))

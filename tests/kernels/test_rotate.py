@@ -1,7 +1,8 @@
 """``ops.rotate``: the Hadamard rotation of the key transform, on every backend.
 
 - the C kernel equals the reference's fast transform bit for bit (same passes, same order), on odd
-  row counts, strided and batched inputs, every power-of-two head size up to 512;
+  row counts, strided and batched inputs, every power-of-two head size up to 512 and the
+  non-power-of-two ones of real models (block-diagonal: blocks of the largest power of two dividing D);
 - the torch backend (one product with the cached matrix for few rows) equals it to fp32 rounding;
 - it is the matrix it claims (``x @ H``, ``H`` orthogonal and symmetric), its own inverse;
 - bad input gets one clear error; a CPU call takes the C kernel where it is built.
@@ -23,7 +24,7 @@ needs_c = pytest.mark.skipif(not HAS_C, reason="C kernels not built")
 
 
 @needs_c
-@pytest.mark.parametrize("d", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+@pytest.mark.parametrize("d", [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 24, 80, 96, 112, 160, 192, 6])
 @pytest.mark.parametrize("rows", [1, 3, 7, 133, 4099])
 def test_c_equals_the_reference_bit_for_bit(d, rows):
     g = torch.Generator().manual_seed(d * 7919 + rows)
@@ -54,25 +55,26 @@ def test_c_keeps_nan_and_inf_where_the_reference_does():
 
 @pytest.mark.parametrize("backend", ["chunked", "reference", *(["cpu"] if HAS_C else [])])
 @pytest.mark.parametrize("rows", [1, 9, 4096])
-def test_every_backend_is_the_hadamard_matrix(backend, rows):
-    d = 64
+@pytest.mark.parametrize("d, n", [(64, 64), (96, 32), (80, 16)])
+def test_every_backend_is_the_hadamard_matrix(backend, rows, d, n):
     x = torch.randn(rows, d, dtype=torch.float64).float()
     h = hadamard_matrix(d).double()
     assert torch.equal(h, h.T) and torch.allclose(h @ h, torch.eye(d, dtype=torch.float64), atol=1e-12)
-    assert torch.equal(h.abs(), torch.full((d, d), 1 / math.sqrt(d), dtype=torch.float64))
+    block = torch.arange(d)[:, None] // n == torch.arange(d)[None, :] // n  # n x n blocks on the diagonal
+    assert torch.equal(h.abs(), torch.where(block, 1 / math.sqrt(n), 0.0).double())
     got = ops.rotate(x, backend=backend)
     want = x.double() @ h
-    # each output is a sum of D terms |x_i| / sqrt(D): fp32 summation in any order errs by at most
-    # D * u * sum |x_i| / sqrt(D) (u = 2**-24; the butterflies' log2(D) passes stay well inside it)
-    bound = d * 2**-24 * x.abs().sum(-1, keepdim=True) / math.sqrt(d)
+    # each output is a sum of n terms |x_i| / sqrt(n): fp32 summation in any order errs by at most
+    # n * u * sum |x_i| / sqrt(n) (u = 2**-24; the butterflies' log2(n) passes stay well inside it)
+    bound = n * 2**-24 * x.abs().sum(-1, keepdim=True) / math.sqrt(n)
     assert ((got.double() - want).abs() <= bound).all()
     assert torch.allclose(ops.rotate(got, backend=backend), x, atol=1e-5)
 
 
 def test_bad_input_gets_one_clear_error():
-    with pytest.raises(ValueError, match="power-of-two head_dim, got 96"):
-        ops.rotate(torch.zeros(2, 96))
-    with pytest.raises(ValueError, match="power-of-two head_dim, got 0"):
+    with pytest.raises(ValueError, match="an even head_dim, got 95"):
+        ops.rotate(torch.zeros(2, 95))
+    with pytest.raises(ValueError, match="an even head_dim, got 0"):
         ops.rotate(torch.zeros(2, 0))
     with pytest.raises(ValueError, match="x: rotate takes float32, got torch.float16"):
         ops.rotate(torch.zeros(2, 64, dtype=torch.float16))
