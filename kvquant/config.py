@@ -49,6 +49,12 @@ def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{field_name}: invalid value {value!r}; allowed: {allowed}")
 
 
+def _dividing(group: int, head_dim: int) -> int:
+    """The largest channel group <= ``group`` that divides ``head_dim``, a multiple of 8 if one does."""
+    fits = [g for g in range(min(group, head_dim), 0, -1) if head_dim % g == 0]
+    return next((g for g in fits if g % 8 == 0), fits[0])
+
+
 @dataclass(frozen=True)
 class KVQuantConfig:
     """How a :class:`~kvquant.KVQuantCache` stores keys and values.
@@ -173,12 +179,15 @@ class KVQuantConfig:
         return dataclasses.replace(self, layer_overrides={}, **over)
 
     def group_sizes(self, head_dim: int) -> tuple[int, int]:
-        """(key, value) group sizes for a head of ``head_dim`` channels (None -> head_dim)."""
+        """(key, value) group sizes for a head of ``head_dim`` channels (None -> head_dim). A
+        channel group that does not divide the head becomes the largest one below it that does, a
+        multiple of 8 where there is one (the kernels' lanes): ``int4`` (64) on head_dim 96 -> 48,
+        on 80 -> 40, on 112 -> 56. (On the channel axis the key group counts tokens: kept.)"""
         kg = self.key_group_size if self.key_group_size is not None else head_dim
         vg = self.value_group_size if self.value_group_size is not None else head_dim
         if self.key_axis == "token":
-            kg = min(kg, head_dim)
-        return kg, min(vg, head_dim)
+            kg = _dividing(kg, head_dim)
+        return kg, _dividing(vg, head_dim)
 
     # ------------------------------------------------------------------------------------ I/O
 
