@@ -234,6 +234,21 @@ def flag_nonfinite(
     _pending[x.device] = code if prev is None else torch.maximum(prev, code)
 
 
+def check_finite(*xs: torch.Tensor) -> None:
+    """States entering a cache must be finite: ``ValueError`` (:data:`NONFINITE_INPUT`) at once on
+    CPU; on CUDA a device-side flag raised by :func:`raise_deferred` (no host sync per call)."""
+    bad = torch.zeros((), dtype=torch.bool, device=xs[0].device)
+    for x in xs:
+        bad = bad | ~torch.isfinite(x).all()
+    if not xs[0].is_cuda:
+        if bool(bad):
+            raise ValueError(NONFINITE_INPUT)
+        return
+    code = bad.to(torch.int32) * 2
+    prev = _pending.get(xs[0].device)
+    _pending[xs[0].device] = code if prev is None else torch.maximum(prev, code)
+
+
 def raise_deferred(device: torch.device | str | None = None) -> None:
     """Raise the ``ValueError`` of a deferred non-finite check (one host sync per device), then clear it.
 

@@ -35,6 +35,7 @@ from kvquant.kernels.backend import (
     QuantizeCall,
     RotateCall,
     SegmentRead,
+    check_finite,
     raise_deferred,
 )
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
@@ -419,6 +420,7 @@ __all__ = [
     "OPS",
     "backend_for",
     "backends",
+    "check_finite",
     "decode_attention",
     "dequantize",
     "encode",

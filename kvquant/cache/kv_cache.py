@@ -38,6 +38,22 @@ def load_static_scales(path: str | Path) -> dict[str, torch.Tensor]:
     return data
 
 
+def _check_one_head_size(config: Any) -> None:
+    """Refuse multi-head latent attention (DeepSeek-V2 / V3, Kimi: keys of ``qk_nope + qk_rope``
+    channels, values of ``v_head_dim``): the stores, the decode kernels and the segments hold keys
+    and values of one head size per layer, and such models are better served by caching their
+    compressed latent, which this cache does not do."""
+    k_dim = getattr(config, "qk_head_dim", None) or (
+        (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
+    )
+    v_dim = getattr(config, "v_head_dim", None)
+    if k_dim and v_dim and k_dim != v_dim:
+        raise ValueError(
+            f"config: {getattr(config, 'model_type', '?')} uses multi-head latent attention (key head_dim "
+            f"{k_dim}, value head_dim {v_dim}); KVQuantCache stores keys and values of one head size"
+        )
+
+
 class KVQuantCache(Cache):
     """A ``transformers.Cache`` whose layers store keys / values quantized.
 
@@ -69,8 +85,17 @@ class KVQuantCache(Cache):
             raise ValueError(
                 f"config: expected a transformers model config or model, got {type(config).__name__}"
             )
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused: expected True, False or None, got {fused!r}")
+        if (
+            isinstance(initial_capacity, bool)
+            or not isinstance(initial_capacity, int)
+            or initial_capacity < 1
+        ):
+            raise ValueError(f"initial_capacity: expected an integer >= 1, got {initial_capacity!r}")
         self.quant_config = KVQuantConfig.resolve(quant)
         decoder_config = model_config.get_text_config(decoder=True)
+        _check_one_head_size(decoder_config)
         self._decoder_config = decoder_config
         self.fused = fused
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
@@ -78,9 +103,18 @@ class KVQuantCache(Cache):
         scales = None
         if self.quant_config.static_scales is not None:
             scales = load_static_scales(self.quant_config.static_scales)
-            if scales["keys"].shape[0] != num_layers:
+            heads = getattr(decoder_config, "num_key_value_heads", None) or decoder_config.num_attention_heads
+            for part in ("keys", "values"):
+                if tuple(scales[part].shape) != (num_layers, heads):
+                    raise ValueError(
+                        f"static_scales: {part} of shape {tuple(scales[part].shape)} in the file; the model "
+                        f"needs [layers, kv_heads] = [{num_layers}, {heads}]"
+                    )
+        for idx in self.quant_config.layer_overrides:
+            if not -num_layers <= idx < num_layers:
                 raise ValueError(
-                    f"static_scales: file has {scales['keys'].shape[0]} layers, the model has {num_layers}"
+                    f"layer_overrides: layer {idx} does not exist; the model has {num_layers} layers "
+                    f"(allowed: {-num_layers} .. {num_layers - 1})"
                 )
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
@@ -115,6 +149,14 @@ class KVQuantCache(Cache):
         CUDA the Triton writes only record a fault on the device (no host sync per flush), and it is
         raised here, at the first layer of the next forward pass, once per pass.
         """
+        if (
+            isinstance(layer_idx, bool)
+            or not isinstance(layer_idx, int)
+            or not 0 <= layer_idx < len(self.layers)
+        ):
+            raise ValueError(
+                f"layer_idx: expected 0 .. {len(self.layers) - 1} (this model's layers), got {layer_idx!r}"
+            )
         if layer_idx == 0:
             ops.raise_deferred()
         layer = self.layers[layer_idx]

@@ -24,7 +24,10 @@ from kvquant.cache.segments import QuantizedSegment, SinkSegment, TailSegment
 from kvquant.cache.store import TokenStore
 from kvquant.cache.view import KVView, QuantizedRead
 from kvquant.config import KVQuantConfig
+from kvquant.kernels import ops
 from kvquant.transforms import KeyTransform
+
+_STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a layer stores
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -89,7 +92,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         cfg = self.config
-        self.device, self.dtype, self.head_dim = key_states.device, key_states.dtype, d
+        self.device, self.dtype, self.head_dim, self.kv_heads = key_states.device, key_states.dtype, d, h
         kg, vg = cfg.group_sizes(d)
         sdt = cfg.torch_scale_dtype
         sk, sv = self.static_scales if self.static_scales is not None else (None, None)
@@ -104,7 +107,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 TokenStore(cfg.recent_value_format, vg, "token", sdt),
                 limit=cfg.recent_length,
             )
-            self.recent.allocate(b, h, d, 2 * cfg.recent_length, self.dtype, self.device)
+            self.recent.allocate(b, h, d, 2 * min(cfg.recent_length, 1024), self.dtype, self.device)
         self.tail.allocate(key_states, value_states)
         if self.sinks is not None:
             self.sinks.allocate(key_states, value_states)
@@ -157,6 +160,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         With ``return_view`` set (the model runs the ``kvquant`` attention) both return values are
         one :class:`~kvquant.cache.view.KVView` of the tiers instead: nothing is dequantized here.
         """
+        self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs") or {}
@@ -170,6 +174,46 @@ class QuantizedKVLayer(CacheLayerMixin):
         if hist_k.shape[2] == 0:
             return key_states, value_states
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
+
+    def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One clear ``ValueError`` / ``TypeError`` for states this layer cannot store: shapes, dtypes
+        and devices against each other and against what the layer holds (metadata only), and
+        non-finite values as they enter (:func:`kvquant.kernels.ops.check_finite`: no host sync on
+        CUDA)."""
+        for name, x in (("key_states", k), ("value_states", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 4:
+                raise ValueError(
+                    f"{name}: expected [batch, kv_heads, tokens, head_dim], got shape {tuple(x.shape)}"
+                )
+            if x.dtype not in _STATE_DTYPES:
+                allowed = ", ".join(str(d).removeprefix("torch.") for d in _STATE_DTYPES)
+                raise TypeError(f"{name}: dtype {str(x.dtype).removeprefix('torch.')}; allowed: {allowed}")
+        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(
+                f"value_states: {tuple(v.shape)} {v.dtype} on {v.device} does not match key_states "
+                f"{tuple(k.shape)} {k.dtype} on {k.device} in batch, heads, tokens, dtype and device"
+            )
+        if k.shape[3] != v.shape[3]:
+            raise ValueError(
+                f"value_states: head_dim {v.shape[3]} differs from the keys' {k.shape[3]}; KVQuantCache stores "
+                "keys and values of one head size (multi-head latent attention, e.g. DeepSeek-V3, is not supported)"
+            )
+        if k.shape[2] == 0:
+            raise ValueError("key_states: an update needs at least one token, got 0")
+        if self.is_initialized:
+            held = (self.batch_size, self.kv_heads, self.head_dim, self.dtype, self.device)
+            got = (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
+            for field, want, have in zip(
+                ("batch", "kv_heads", "head_dim", "dtype", "device"), held, got, strict=True
+            ):
+                if want != have:
+                    raise ValueError(
+                        f"key_states: {field} {have} but this layer holds {want} (from its first update); "
+                        "reset the cache (or reorder / select / repeat it) before changing it"
+                    )
+        ops.check_finite(k, v)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail."""
@@ -350,6 +394,10 @@ class QuantizedKVLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder rows of codes, scales, tail and sinks (no dequantize / requantize)."""
         if self.is_initialized:
+            if beam_idx.dim() != 1 or beam_idx.shape[0] != self.batch_size:
+                raise ValueError(
+                    f"beam_idx: expected one index per cached row ({self.batch_size}), got shape {tuple(beam_idx.shape)}"
+                )
             idx = beam_idx.to(self.device)
             self._map_batch(lambda t: t.index_select(0, idx))
 

@@ -47,7 +47,7 @@ class TailSegment:
         self.k = self.v = None  # [B, H, cap, D]
 
     def allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        cap = 2 * (self.residual + self.block) + 8
+        cap = 2 * (min(self.residual, 1024) + self.block) + 8  # a huge residual grows as it fills
         self.k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])  # [B, H, cap, D]
         self.v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
         self.off = 0
@@ -57,14 +57,14 @@ class TailSegment:
 
     def _reserve(self, n: int, held: int) -> None:
         """Room for ``n`` positions from row ``off`` keeping the ``held`` rows there: they move to row
-        0 (into a buffer at least twice as big when ``n`` does not fit at all)."""
+        0 (into a buffer of ``2 n + 8`` rows when the buffer is not that big: moves stay rare)."""
         cap = self.k.shape[2]
         if self.off + n <= cap:
             return
-        o = self.off
+        o, size = self.off, max(cap, 2 * n + 8)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], max(n, 2 * cap), old.shape[3]) if n > cap else old
+            new = old.new_zeros(*old.shape[:2], size, old.shape[3]) if size > cap else old
             new[:, :, :held] = old[:, :, o : o + held].clone() if new is old else old[:, :, o : o + held]
             setattr(self, name, new)
         self.off = 0
@@ -205,7 +205,7 @@ class QuantizedSegment:
                     store.move(0, 0)
             self.origin = self.low = self.end + direct
         elif self.end + n - self.origin > self.k_store.capacity:  # full: the window to index 0
-            cap = max(self.k_store.capacity, 2 * self.limit, fresh)
+            cap = max(self.k_store.capacity, 2 * min(self.limit, self.end + n - self.low), fresh)
             for store in self.stores:  # new buffers: an operand handed out earlier keeps the old ones
                 store.move(self.low - self.origin, self.end - self.origin, cap)
             self.origin = self.low
