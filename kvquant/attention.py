@@ -72,7 +72,19 @@ def dense_attention(
 # --------------------------------------------------------------------------------------------- decode
 
 
-def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``out[B, Hq, ..., D]`` of a softmax with log-sum-exp ``lse[B, Hq, ...]``, re-weighted for one
+    more logit per head, ``sinks[Hq]``, that takes weight and brings no value (gpt-oss's attention
+    sinks): ``out * e^lse / (e^lse + e^sink)``."""
+    if sinks is None:
+        return out
+    shape = (1, -1) + (1,) * (lse.dim() - 2)
+    return out * torch.sigmoid(lse - sinks.float().view(shape))[..., None]
+
+
+def _decode(
+    view: KVView, query: torch.Tensor, scaling: float, softcap: float | None, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """One query token over the view's tiers and full-precision tokens: ``[B, 1, Hq, D]``."""
     q = query[:, :, 0]  # [B, Hq, D]
     b = q.shape[0]
@@ -83,8 +95,8 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
         valid = torch.cat([valid, new], dim=1)
     if not view.reads:
         mask = None if valid is None else valid[:, None, None, :]
-        out, _ = dense_attention(q[:, :, None], fp_k, fp_v, mask, scaling, softcap)
-        return out.transpose(1, 2).to(query.dtype)
+        out, lse = dense_attention(q[:, :, None], fp_k, fp_v, mask, scaling, softcap)
+        return _with_sinks(out, lse, sinks).transpose(1, 2).to(query.dtype)
     t = view.transform
     # smoothing folded here; the rotation (of q and the fp tokens in, the output back) in the op
     q_stored = t.fold_query(q, rotate=False)
@@ -104,7 +116,7 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
         )
         for r in view.reads
     ]
-    out, _ = ops.decode_attention(
+    out, lse = ops.decode_attention(
         q_stored,
         *main.tensors(),
         **main.call_kwargs(),
@@ -116,6 +128,8 @@ def _decode(view: KVView, query: torch.Tensor, scaling: float, softcap: float | 
         extra=tuple(more),
         rotation=t.rotated,
     )  # [B, Hq, D]
+    if sinks is not None:
+        out = _with_sinks(out, t.shift_lse(lse, q, scaling), sinks)  # lse of the model's own scores
     return out[:, None].to(query.dtype)  # [B, 1, Hq, D]
 
 
@@ -185,27 +199,40 @@ def kvquant_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention function registered as ``"kvquant"``: ``query[B, Hq, q, D]`` -> ``[B, q, Hq, D]``."""
+    """Attention function registered as ``"kvquant"``: ``query[B, Hq, q, D]`` -> ``[B, q, Hq, D]``.
+
+    Honours what the model's own attention takes beyond q, k, v and the mask: ``scaling``,
+    ``softcap`` (Gemma 2), ``s_aux`` (gpt-oss's attention sinks: one logit per head that takes
+    weight and brings no value) and ``position_bias`` (T5: added to the scores; those steps take
+    the dequantizing path, a per-key bias being no part of the fused decode).
+    """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
+    sinks = kwargs.pop("s_aux", None)  # [Hq]
+    bias = kwargs.pop("position_bias", None)  # [B or 1, Hq, q, n], additive
     if isinstance(key, KVView):
         view = key
         smoothed_softcap = softcap is not None and view.transform.stats is not None
-        decode = query.shape[2] == 1 and view.seq_before > 0 and not smoothed_softcap
+        decode = query.shape[2] == 1 and view.seq_before > 0 and not smoothed_softcap and bias is None
         if decode and decode_mask_is_fused(view, attention_mask):
-            return _decode(view, query, scaling, softcap), None
+            return _decode(view, query, scaling, softcap, sinks), None
         if view.seq_before == 0:  # a fresh prompt: its own full-precision K/V
             key, value = view.new_k, view.new_v
         else:  # a chunk after cached tokens, a decode step whose mask has holes, a smoothed store
             key, value = view.dequantized()  # under softcap: dequantize, then the mask as given
     mask, q_len, n = attention_mask, query.shape[2], key.shape[2]
-    dense = softcap is not None or dropout != 0.0
+    dense = softcap is not None or dropout != 0.0 or sinks is not None or bias is not None
     if mask is None and q_len > 1 and (dense or q_len < n) and getattr(module, "is_causal", True):
         mask = _causal_mask(q_len, n, query.device)  # sdpa's is_causal would align upper-left
     if not dense:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
-    out, _ = dense_attention(query, key, value, mask, scaling, softcap)
-    return out.transpose(1, 2).to(query.dtype), None
+    if bias is not None:
+        bias = bias[..., -n:].float()  # the keys attended (a cache may hold fewer than the bias covers)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        mask = bias if mask is None else mask[..., -n:].float() + bias
+    out, lse = dense_attention(query, key, value, mask, scaling, softcap)
+    return _with_sinks(out, lse, sinks).transpose(1, 2).to(query.dtype), None
 
 
 def register() -> None:
@@ -221,6 +248,23 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
         >>> model = kvquant.enable(model)
         >>> model.generate(**inputs, cache=KVQuantCache(model.config, "int4"))
     """
+    check_dispatches_attention(model)
     register()
     model.set_attn_implementation(ATTENTION_NAME)
     return model
+
+
+def check_dispatches_attention(model: torch.nn.Module) -> None:
+    """``ValueError`` naming the architecture when its modeling code does not call attention through
+    transformers' ``AttentionInterface`` (it picks eager / sdpa / flash itself, e.g. Falcon): the
+    ``kvquant`` attention would never run there. A ``KVQuantCache`` still works with such a model's
+    own attention (it hands it dequantized tensors)."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    if module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS"):
+        arch = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(
+            f"model: {arch} does not dispatch attention through transformers' AttentionInterface, so "
+            "the kvquant attention cannot run in it; use KVQuantCache with the model's own attention"
+        )
