@@ -41,7 +41,7 @@ import torch
 import yaml
 
 from kvquant.eval.caches import CacheSpec, resolve_specs
-from kvquant.eval.config import CorpusSection, EvalError
+from kvquant.eval.config import CorpusSection, EvalError, check_output_dir
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.memory import PeakMemory, memory_numbers
 from kvquant.eval.records import RecordStore, claim_folder, write_json
@@ -276,7 +276,10 @@ def run_sweep(
         fingerprint = ""
         labels = [model_label(m) for m in cfg.models]
     out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_output_dir("out", out)
+    except EvalError as exc:
+        raise SweepError(str(exc)) from None
     identity = _identity(cfg, corpus, fingerprint)
     refusal = SweepError(
         f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
