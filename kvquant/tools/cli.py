@@ -14,13 +14,159 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
+import pickle
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import yaml
+
+# ------------------------------------------------------------------------------------------ errors
+
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    yaml.YAMLError,
+    pickle.UnpicklingError,
+)
+"""The exception types :func:`main` reports as bad input: one line ``kvquant <command>: error: ...`` on
+stderr and exit status 2, no traceback (``kvquant --debug ...`` re-raises them).
+
+Why these and no others:
+
+- ``ValueError`` is how every layer of kvquant says "bad input": the config checks
+  (``KVQuantConfig``), the harness (``EvalError``, ``SweepError``), the planner (``PlanError``), model
+  loading (``load_model``: no such model), the benchmark settings, the calibration checks; and
+  ``UnicodeDecodeError`` (a binary file where text was expected) is one. The checks word their
+  messages to name the field or flag and the allowed values.
+- ``FileNotFoundError``, ``FileExistsError``, ``IsADirectoryError``, ``NotADirectoryError``,
+  ``PermissionError``: a path the user gave (an input file, an output folder) that is missing, of the
+  wrong kind, or not writable. Other ``OSError``\ s (disk full, I/O errors) are the machine's, and
+  are left to surface with their traceback.
+- ``yaml.YAMLError`` and ``pickle.UnpicklingError``: a file the user named that is not YAML / not a
+  torch file, wherever a loader let one through unwrapped.
+
+Everything else (``TypeError``, ``KeyError``, ``IndexError``, ``AttributeError``, ``RuntimeError``,
+``AssertionError`` ...) is taken for a bug in kvquant or below it and keeps its traceback (exit 1):
+the bad inputs that used to end in one of those are now caught by checks that raise ``ValueError``.
+``KeyboardInterrupt`` (Ctrl-C) prints one line and exits 130.
+"""
+
+
+def describe(exc: BaseException) -> str:
+    """The one-line message of a user error."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        where = repr(str(exc.filename)) + (f" -> {str(exc.filename2)!r}" if exc.filename2 else "")
+        return f"{where}: {(exc.strerror or type(exc).__name__).lower()}"
+    if isinstance(exc, yaml.YAMLError):
+        return f"not valid YAML ({' '.join(str(exc).split())})"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"an input file is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"an input file is not a readable torch file ({str(exc).strip().splitlines()[0][:160]})"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line: ``kvquant <command>: error: <what>`` (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+# ------------------------------------------------------------------------------------------ flag types
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse ``type``: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def float_above(low: float, inclusive: bool = False) -> Callable[[str], float]:
+    """argparse ``type``: a finite number > ``low`` (>= with ``inclusive``)."""
+    want = f"a finite number {'>=' if inclusive else '>'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+def ints_at_least(low: int) -> Callable[[str], list[int]]:
+    """argparse ``type``: a non-empty comma-separated list of integers >= ``low``."""
+    one = int_at_least(low)
+
+    def parse(text: str) -> list[int]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {low}, got {text!r}")
+        try:
+            return [one(x) for x in items]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers >= {low}, got {text!r}"
+            ) from None
+
+    return parse
+
+
+def _flagged(flag: str, fn: Callable, *args, **kwargs):
+    """``fn(*args)``, its ``ValueError`` prefixed with the flag the value came from."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {' '.join(str(exc).split())}") from None
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """An output file that can be written: not a folder, its folder created (before any slow work)."""
+    from kvquant.eval.config import check_output_dir
+
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise ValueError(f"{flag}: {path!r} is a folder; give a file name")
+    check_output_dir(flag, out.parent)
+
+
+def check_cache(flag: str, spec: str):
+    """A cache config (preset name or YAML path) and its static-scales file, checked before the model
+    loads; ``ValueError`` naming ``flag``."""
+    from kvquant.config import KVQuantConfig
+    from kvquant.eval.caches import check_static_scales
+
+    cfg = _flagged(flag, KVQuantConfig.resolve, spec)
+    _flagged(flag, check_static_scales, cfg)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ demo
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvquant.tools.demo import run
 
+    check_cache("--cache", args.cache)
     return run(args.model, args.prompt, args.max_new_tokens, args.cache)
 
 
@@ -28,7 +174,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="generate with the embedded model and a KV cache, print the text")
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument("--prompt", default=None, help="user message (default: a fixed paragraph request)")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    p.add_argument("-n", "--max-new-tokens", type=int_at_least(1), default=128, help="(default: 128)")
     p.add_argument("--cache", default="int4", help="preset name or YAML path (default: int4)")
     p.set_defaults(func=_cmd_demo)
 
@@ -66,24 +212,15 @@ def _messages(command: str, level: int):
         log.removeHandler(handler)
 
 
-def _error(command: str, exc: Exception) -> int:
-    """Bad input: one line on stderr, exit status 2."""
-    print(f"kvquant {command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-    return 2
-
-
 def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override any key, e.g. {example}")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from kvquant.eval import EvalConfig, EvalError, load_config, run_eval
+    from kvquant.eval import EvalConfig, load_config, run_eval
 
-    try:
-        with _messages("eval", logging.INFO):
-            result = run_eval(load_config(args.config, _overrides(args, EvalConfig)))
-    except EvalError as exc:
-        return _error("eval", exc)
+    with _messages("eval", logging.INFO):
+        result = run_eval(load_config(args.config, _overrides(args, EvalConfig)))
     print(result.table)
     print(f"\nresults: {result.run_dir}")
     return 0
@@ -109,16 +246,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from kvquant.eval.config import EvalError
     from kvquant.eval.sweep import run_sweep
     from kvquant.eval.sweep_config import SweepConfig
 
-    try:
-        overrides = _overrides(args, SweepConfig)
-        with _messages("sweep", logging.INFO if overrides.get("progress", True) else logging.WARNING):
-            result = run_sweep(args.config, overrides=overrides)
-    except EvalError as exc:
-        return _error("sweep", exc)
+    overrides = _overrides(args, SweepConfig)
+    with _messages("sweep", logging.INFO if overrides.get("progress", True) else logging.WARNING):
+        result = run_sweep(args.config, overrides=overrides)
     print(result.table)
     print()
     for rec in result.recommendations:
@@ -159,11 +292,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return gpu_check_main(argv + (["--tiny"] if args.tiny else []))
     from kvquant.tools.bench import bench_cpu, check_settings, resolve_presets
 
-    try:  # bad flags: one line, exit 2, before the model loads
-        check_settings(args.contexts, args.steps, args.repeats, args.warmup, args.prefill)
-        presets = resolve_presets(args.presets)
-    except ValueError as exc:
-        return _error("bench", exc)
+    # bad flags fail here, before the model loads
+    check_settings(args.contexts, args.steps, args.repeats, args.warmup, args.prefill)
+    presets = resolve_presets(args.presets)
+    if args.out:
+        from kvquant.eval.config import check_output_dir
+
+        check_output_dir("--out", args.out)
+    from kvquant.models import load_model
+
+    model, _ = _flagged("--model", load_model, args.model)
     bench_cpu(
         args.model,
         tuple(args.contexts),
@@ -174,6 +312,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         out_dir=args.out,
         prefill=args.prefill,
         dequant=not args.no_dequant,
+        model=model,
     )
     return 0
 
@@ -190,15 +329,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("target", choices=["cpu", "kernels", "gpu-check"])
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
-    p.add_argument("--contexts", type=flag_type(list[int]), default=[2048, 4096])
+    p.add_argument("--contexts", type=ints_at_least(1), default=[2048, 4096], help="(default: 2048,4096)")
     p.add_argument(
         "--presets", type=flag_type(list[str]), default=["all"], help="comma-separated, or all (default)"
     )
-    p.add_argument("--steps", type=int, default=16, help="decode steps per timed round")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    p.add_argument("--steps", type=int_at_least(1), default=16, help="decode steps per timed round")
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed rounds (median)")
+    p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed runs first")
     p.add_argument(
-        "--prefill", type=int, default=1024, help="prompt tokens of the prefill column (0: no column)"
+        "--prefill",
+        type=int_at_least(0),
+        default=1024,
+        help="prompt tokens of the prefill column (0: no column)",
     )
     p.add_argument(
         "--no-dequant", action="store_true", help="leave out the dequantizing contenders (half the time)"
@@ -216,15 +358,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvquant.models import load_model
     from kvquant.tools.calibrate import calibrate_static_scales
 
-    try:
-        cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
-        corpus = load_corpus(CorpusSection(name=args.corpus))
-        model, tok = load_model(args.model)
-        ids = tokenize(tok, corpus.text)[None, : args.tokens]  # [1, N]
-        scales = calibrate_static_scales(model, ids, cfg, args.out, margin=args.margin)
-    except Exception as exc:  # one line, exit 2: bad input, not a traceback
-        print(f"kvquant calibrate: error: {exc}", file=sys.stderr)
-        return 2
+    cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
+    check_output_file("--out", args.out)
+    corpus = _flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
+    model, tok = _flagged("--model", load_model, args.model)
+    ids = tokenize(tok, corpus.text)[None, : args.tokens]  # [1, N]
+    scales = calibrate_static_scales(model, ids, cfg, args.out, margin=args.margin)
     print(
         f"wrote {args.out}: keys {tuple(scales['keys'].shape)}, values {tuple(scales['values'].shape)} "
         f"from {ids.shape[1]} tokens; use it as `static_scales: {args.out}` with key/value_format {args.format}"
@@ -236,10 +375,12 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="static per-(layer, head) int8 / fp8 scales from calibration text")
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument("--corpus", default="embedded", help="'embedded', 'wikitext2' or a local .txt/.jsonl file")
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--tokens", type=int_at_least(1), default=4096, help="calibration tokens (default: 4096)")
     p.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--rotation", default="none", choices=["none", "hadamard"])
-    p.add_argument("--margin", type=float, default=1.0)
+    p.add_argument(
+        "--margin", type=float_above(0), default=1.0, help="multiplies the observed maximum (default: 1.0)"
+    )
     p.add_argument("--out", required=True, help="output file (.pt)")
     p.set_defaults(func=_cmd_calibrate)
 
@@ -287,8 +428,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="default", help="HF id, local folder, config.json, or default")
     p.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 80GB, 512MiB, bytes")
-    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="batch for the max-context column (default 1)")
+    p.add_argument("--context", type=int_at_least(1), required=True, help="tokens per sequence")
+    p.add_argument(
+        "--batch", type=int_at_least(1), default=1, help="batch for the max-context column (default 1)"
+    )
     p.add_argument("--weights-dtype", default="bf16", help="bf16 (default), fp16, fp32, fp8, int8, int4")
     p.add_argument("--kv-dtype", default="bf16", help="model dtype of the full-precision KV (default bf16)")
     p.add_argument(
@@ -308,26 +451,21 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from kvquant.models import load_model
     from kvquant.tools.tune import tune
 
-    try:
-        if args.windows < 1 or args.window_len < 2:
-            raise ValueError("--windows must be >= 1 and --window-len >= 2")
-        corpus = load_corpus(CorpusSection(name=args.corpus))
-        model, tok = load_model(args.model)
-        ids = make_windows(
-            tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows
-        )
-        result = tune(
-            model,
-            ids,
-            budget_kl=args.budget_kl,
-            budget_bits=args.budget_bits,
-            base=args.base,
-            progress=not args.no_progress,
-        )
-        result.config.to_yaml(args.out)
-    except Exception as exc:  # one line, exit 2: bad input, not a traceback
-        print(f"kvquant tune: error: {exc}", file=sys.stderr)
-        return 2
+    if args.base is not None:
+        check_cache("--base", args.base)
+    check_output_file("--out", args.out)
+    corpus = _flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
+    model, tok = _flagged("--model", load_model, args.model)
+    ids = make_windows(tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows)
+    result = tune(
+        model,
+        ids,
+        budget_kl=args.budget_kl,
+        budget_bits=args.budget_bits,
+        base=args.base,
+        progress=not args.no_progress,
+    )
+    result.config.to_yaml(args.out)
     print("layer  rung   " + "  ".join(f"{r:>8s}" for r in result.sensitivity))
     for i, rung in enumerate(result.rungs):
         kls = "  ".join(f"{result.sensitivity[r][i]:8.5f}" for r in result.sensitivity)
@@ -346,14 +484,21 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "--corpus", default="embedded", help="calibration text: 'embedded', 'wikitext2' or a local file"
     )
     budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--budget-kl", type=float, help="largest predicted mean KL vs full precision")
-    budget.add_argument("--budget-bits", type=float, help="largest mean format bits per element")
+    budget.add_argument(
+        "--budget-kl", type=float_above(0), help="largest predicted mean KL vs full precision (> 0)"
+    )
+    budget.add_argument(
+        "--budget-bits", type=float_above(0), help="largest mean format bits per element (> 0)"
+    )
     p.add_argument(
         "--base", default=None, help="preset / YAML with the shared settings (default: nuq ladder)"
     )
-    p.add_argument("--windows", type=int, default=2, help="calibration windows")
+    p.add_argument("--windows", type=int_at_least(1), default=2, help="calibration windows")
     p.add_argument(
-        "--window-len", type=int, default=512, help="tokens per window (the second half is scored)"
+        "--window-len",
+        type=int_at_least(2),
+        default=512,
+        help="tokens per window (the second half is scored)",
     )
     p.add_argument("--out", required=True, help="output config (.yaml)")
     p.add_argument("--no-progress", action="store_true")
@@ -363,8 +508,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
-    parser = argparse.ArgumentParser(prog="kvquant", description="KV-cache quantization for HF transformers")
+    parser = _Parser(prog="kvquant", description="KV-cache quantization for HF transformers")
     parser.add_argument("--version", action="version", version=f"kvquant {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error instead of its one line"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
     _add_eval(sub)
@@ -377,8 +525,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command. Bad input (:data:`USER_ERRORS`): one line on stderr, exit status 2; Ctrl-C: one
+    line, exit status 130; ``--debug`` re-raises both with their traceback. Argument errors exit 2
+    through ``SystemExit``, as argparse does."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug, prog = "--debug" in argv, "kvquant"
+    try:
+        args = build_parser().parse_args(argv)
+        debug, prog = args.debug, f"kvquant {args.command}"
+        return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        print(f"{prog}: error: {describe(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
