@@ -107,6 +107,16 @@ def _backend_available(kind: str) -> bool:
         return False
 
 
+def attention_names() -> list[str]:
+    """The attention implementations transformers knows here (``kvquant`` included); a hub kernel
+    (``org/name``) is accepted as well, unchecked."""
+    from transformers import AttentionInterface
+
+    import kvquant.attention  # noqa: F401  (registers "kvquant")
+
+    return ["eager", *AttentionInterface._global_mapping]
+
+
 def check_output_dir(name: str, value: Any) -> None:
     """A folder results can be written to: created (with its parents) now, before any slow work."""
     if not isinstance(value, (str, Path)) or not str(value):
@@ -151,6 +161,10 @@ class RunSection:
         check_choice(f"{where}.dtype", self.dtype, DTYPES)
         if self.device_map is None:
             check_device(f"{where}.device", self.device)
+        attn = self.attn_implementation
+        if not isinstance(attn, str) or ("/" not in attn and attn not in attention_names()):
+            allowed = ", ".join(attention_names())
+            raise EvalError(f"{where}.attn_implementation: invalid value {attn!r}; allowed: {allowed}")
 
 
 @dataclass

@@ -266,6 +266,11 @@ def run_sweep(
     """
     cfg = load_sweep_config(config, overrides)
     specs = resolve_specs(cfg.caches)
+    out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
+    try:  # before the slow work, not after it
+        check_output_dir("out", out)
+    except EvalError as exc:
+        raise SweepError(str(exc)) from None
     corpus_section, corpus = _corpus(cfg)
     if model is not None:
         if tokenizer is None:
@@ -275,11 +280,6 @@ def run_sweep(
     else:
         fingerprint = ""
         labels = [model_label(m) for m in cfg.models]
-    out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
-    try:
-        check_output_dir("out", out)
-    except EvalError as exc:
-        raise SweepError(str(exc)) from None
     identity = _identity(cfg, corpus, fingerprint)
     refusal = SweepError(
         f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
