@@ -198,7 +198,9 @@ class KVQuantConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise _bad("config", sorted(unknown)[0], ", ".join(sorted(known)))
+            raise ValueError(
+                f"config: unknown key {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(known))}"
+            )
         data = dict(data)
         if "layer_overrides" in data and data["layer_overrides"] is None:
             data["layer_overrides"] = {}
