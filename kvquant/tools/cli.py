@@ -136,7 +136,8 @@ def _flagged(flag: str, fn: Callable, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except ValueError as exc:
-        raise ValueError(f"{flag}: {' '.join(str(exc).split())}") from None
+        msg = " ".join(str(exc).split()).removeprefix(f"{flag.lstrip('-')}: ")  # not "--corpus: corpus:"
+        raise ValueError(f"{flag}: {msg}") from None
 
 
 def check_output_file(flag: str, path: str) -> None:
@@ -282,7 +283,14 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.target == "kernels":
+        import torch
+
         from kvquant.tools.bench_kernels import main as kernels_main
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "kernels: needs a CUDA GPU, and torch sees none here; allowed on this machine: cpu"
+            )
 
         return kernels_main(["--out", args.out or "runs/bench-kernels"])
     if args.target == "gpu-check":
