@@ -118,16 +118,18 @@ def attention_names() -> list[str]:
 
 
 def check_output_dir(name: str, value: Any) -> None:
-    """A folder results can be written to: created (with its parents) now, before any slow work."""
+    """A folder results can be written to, checked before any slow work and without creating it: the
+    folder (or, when it does not exist yet, its nearest existing parent) must be a writable folder."""
     if not isinstance(value, (str, Path)) or not str(value):
         raise EvalError(f"{name}: invalid value {value!r}; allowed: a folder path")
-    path = Path(value).expanduser()
-    if path.exists() and not path.is_dir():
-        raise EvalError(f"{name}: {str(path)!r} is a file, not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+    path = Path(value).expanduser().absolute()
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise EvalError(f"{name}: {str(base)!r} is a file, not a folder")
+    try:  # os.access says yes to root even on a read-only file system: try it
+        tempfile.TemporaryDirectory(dir=base).cleanup()
     except OSError as exc:
         raise EvalError(f"{name}: cannot write to the folder {str(path)!r} ({exc.strerror or exc})") from None
 

@@ -76,7 +76,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line: ``kvquant <command>: error: <what>`` (exit status 2)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+        message = " ".join(message.split()).removeprefix("argument ")  # "--steps: expected ..."
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # ------------------------------------------------------------------------------------------ flag types
@@ -533,13 +534,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command. Bad input (:data:`USER_ERRORS`): one line on stderr, exit status 2; Ctrl-C: one
-    line, exit status 130; ``--debug`` re-raises both with their traceback. Argument errors exit 2
-    through ``SystemExit``, as argparse does."""
+    """Run one command; returns the exit status. Bad input (:data:`USER_ERRORS`, and argument errors):
+    one line on stderr, status 2; Ctrl-C: one line, status 130; ``--debug`` re-raises both with their
+    traceback. Anything else is a bug and propagates with its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug, prog = "--debug" in argv, "kvquant"
     try:
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # argparse: an argument error (2), --help or --version (0)
+            return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
         debug, prog = args.debug, f"kvquant {args.command}"
         return args.func(args)
     except KeyboardInterrupt:

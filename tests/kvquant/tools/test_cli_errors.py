@@ -237,7 +237,7 @@ CASES: dict[str, tuple[str, list[str], str]] = {
         )
         for what, path, text in (
             ("unwritable", UNWRITABLE, f"{name}: cannot write to the folder"),
-            ("under a file", "{afile}/sub", f"{name}: cannot write to the folder"),
+            ("under a file", "{afile}/sub", f"{name}: '"),
             ("is a file", "{afile}", f"{name}: '"),
         )
     },
