@@ -280,6 +280,7 @@ def run_sweep(
     else:
         fingerprint = ""
         labels = [model_label(m) for m in cfg.models]
+    out.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, corpus, fingerprint)
     refusal = SweepError(
         f"out: {str(out)!r} holds a sweep with other model / corpus / quality / speed settings; "
