@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kvquant.tools.cli as cli
+from kvquant.tools.arguments import describe
 from kvquant.tools.cli import main
 
 UNWRITABLE = "/sys/kvquant-test"  # mkdir fails there even as root
@@ -361,7 +362,7 @@ def test_a_keyboard_interrupt_in_process_is_one_line_and_130(monkeypatch, capsys
 
 def test_os_errors_name_the_path():
     exc = PermissionError(13, "Permission denied", "/x/y")
-    assert cli.describe(exc) == "'/x/y': permission denied"
+    assert describe(exc) == "'/x/y': permission denied"
 
 
 # ------------------------------------------------------------------------------------------ end to end
