@@ -28,8 +28,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,13 +134,45 @@ def _one_spec(spec: str) -> CacheSpec:
     except ValueError as exc:
         allowed = "dynamic, " + ", ".join(_PEERS) + ", presets, peers, all, " + ", ".join(preset_names())
         if spec.endswith((".yaml", ".yml")) or "/" in spec:
-            raise EvalError(f"cache {spec!r}: {exc}") from None
+            raise EvalError(f"cache {spec!r}: {' '.join(str(exc).split())}") from None
         raise EvalError(
             f"cache: unknown cache or preset {spec!r}; allowed: {allowed}, or a YAML path"
         ) from None
+    try:
+        check_static_scales(quant)
+    except ValueError as exc:
+        raise EvalError(f"cache {spec!r}: {exc}") from None
     return CacheSpec(
         quant.name, "kvquant", quant=quant, settings={"class": "KVQuantCache", **quant.to_dict()}
     )
+
+
+def check_static_scales(quant: KVQuantConfig) -> None:
+    """Read the calibration file of a config's ``static_scales`` (if any) now, before any slow work:
+    ``ValueError`` naming the file when it is missing, unreadable or not a calibration file."""
+    path = quant.static_scales
+    if path is None:
+        return
+    from kvquant.cache import load_static_scales
+
+    if Path(path).expanduser().is_dir():
+        raise ValueError(f"static_scales: {str(path)!r} is a folder, not a calibration file")
+    try:
+        scales = load_static_scales(Path(path).expanduser())
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as exc:
+        # torch.load's errors for a file that is not a torch archive (text, truncated, corrupt zip)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"static_scales: cannot read {str(path)!r} as a kvquant calibration file ({reason[:160]}); "
+            "make one with kvquant calibrate"
+        ) from None
+    for part in ("keys", "values"):
+        t = scales[part]
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(
+                f"static_scales: {str(path)!r}: {part!r} must be a [layers, heads] float tensor; "
+                "make the file with kvquant calibrate"
+            )
 
 
 def resolve_specs(specs: list[str]) -> list[CacheSpec]:

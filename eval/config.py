@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import importlib.resources
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -77,6 +78,62 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise EvalError(f"{name}: invalid value {value!r}; allowed: {', '.join(allowed)}")
 
 
+def check_device(name: str, value: Any) -> None:
+    """``auto``, or a torch device string this machine has (``cuda`` only where torch sees CUDA)."""
+    import torch
+
+    allowed = "auto, cpu, cuda, cuda:N" if torch.cuda.is_available() else "auto, cpu (no CUDA device here)"
+    if value == "auto":
+        return
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise EvalError(f"{name}: invalid value {value!r}; allowed: {allowed}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise EvalError(f"{name}: {value!r}, but torch sees {count} CUDA device(s); allowed: {allowed}")
+    elif device.type != "cpu" and not _backend_available(device.type):
+        raise EvalError(f"{name}: {value!r} is not available here; allowed: {allowed}")
+
+
+def _backend_available(kind: str) -> bool:
+    import torch
+
+    module = getattr(torch, kind, None) or getattr(torch.backends, kind, None)
+    try:
+        return bool(module is not None and module.is_available())
+    except Exception:  # a backend module without a working is_available()
+        return False
+
+
+def attention_names() -> list[str]:
+    """The attention implementations transformers knows here (``kvquant`` included); a hub kernel
+    (``org/name``) is accepted as well, unchecked."""
+    from transformers import AttentionInterface
+
+    import kvquant.attention  # noqa: F401  (registers "kvquant")
+
+    return ["eager", *AttentionInterface._global_mapping]
+
+
+def check_output_dir(name: str, value: Any) -> None:
+    """A folder results can be written to, checked before any slow work and without creating it: the
+    folder (or, when it does not exist yet, its nearest existing parent) must be a writable folder."""
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise EvalError(f"{name}: invalid value {value!r}; allowed: a folder path")
+    path = Path(value).expanduser().absolute()
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise EvalError(f"{name}: {str(base)!r} is a file, not a folder")
+    try:  # os.access says yes to root even on a read-only file system: try it
+        tempfile.TemporaryDirectory(dir=base).cleanup()
+    except OSError as exc:
+        raise EvalError(f"{name}: cannot write to the folder {str(path)!r} ({exc.strerror or exc})") from None
+
+
 # ------------------------------------------------------------------------------------------ sections
 
 
@@ -104,6 +161,12 @@ class RunSection:
 
     def check(self, where: str) -> None:
         check_choice(f"{where}.dtype", self.dtype, DTYPES)
+        if self.device_map is None:
+            check_device(f"{where}.device", self.device)
+        attn = self.attn_implementation
+        if not isinstance(attn, str) or ("/" not in attn and attn not in attention_names()):
+            allowed = ", ".join(attention_names())
+            raise EvalError(f"{where}.attn_implementation: invalid value {attn!r}; allowed: {allowed}")
 
 
 @dataclass
@@ -278,13 +341,20 @@ def find_yaml(spec: str | Path, folder: str = "eval", prefix: str = "", what: st
 
 
 def read_yaml(spec: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML file given by path or by the name of a config in ``configs/eval/``."""
+    """The mapping in a YAML file given by path or by the name of a config in ``configs/eval/``;
+    :class:`EvalError` naming the file when it is not UTF-8 text, not valid YAML, empty or not a mapping
+    (an empty file is an error, not the defaults: more likely a failed write than a wish)."""
+    path = find_yaml(spec)
     try:
-        data = yaml.safe_load(find_yaml(spec).read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise EvalError(f"config: {spec}: not a UTF-8 text file (a binary file?)") from None
     except yaml.YAMLError as exc:
         raise EvalError(f"config: {spec}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        raise EvalError(f"config: {spec}: empty; expected a mapping of settings (see configs/)")
     if not isinstance(data, dict):
-        raise EvalError(f"config: {spec}: expected a mapping at the top level")
+        raise EvalError(f"config: {spec}: expected a mapping at the top level, got a {type(data).__name__}")
     return data
 
 

@@ -86,6 +86,45 @@ def _from_datasets(kind: str, path: Path, text_field: str, join: str) -> str:
     return join.join(str(t) for t in ds[text_field] if t is not None)
 
 
+def _check_text_file(path: Path, jsonl: bool = False) -> None:
+    """:class:`EvalError` naming the file (and line) when a local corpus is empty, not UTF-8 text, or
+    (``.jsonl``) holds a line that is not a JSON object; ``datasets`` says only that generation failed."""
+    import codecs
+    import json
+
+    if path.stat().st_size == 0:
+        raise EvalError(f"corpus: {str(path)!r} is empty")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line_no, pending = 0, ""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                text = pending + decoder.decode(chunk)
+            except UnicodeDecodeError:
+                raise EvalError(f"corpus: {str(path)!r} is not UTF-8 text (a binary file?)") from None
+            if not jsonl:
+                continue
+            *lines, pending = text.split("\n")
+            for line in lines:
+                line_no += 1
+                _check_json_line(path, line_no, line, json)
+    if jsonl and pending.strip():
+        _check_json_line(path, line_no + 1, pending, json)
+
+
+def _check_json_line(path: Path, line_no: int, line: str, json) -> None:
+    if not line.strip():
+        return
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise EvalError(f"corpus: {str(path)!r} line {line_no}: not JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise EvalError(
+            f"corpus: {str(path)!r} line {line_no}: expected a JSON object, got {type(row).__name__}"
+        )
+
+
 def load_corpus(section: CorpusSection) -> Corpus:
     """The text of a corpus (see the module docstring); :class:`EvalError` on bad input."""
     name = section.name
@@ -103,6 +142,7 @@ def load_corpus(section: CorpusSection) -> Corpus:
                 f"corpus: no such file {name!r}; use 'embedded', 'wikitext2', or a .txt / .jsonl / .json file"
             )
         suffix = path.suffix.lower()
+        _check_text_file(path, jsonl=suffix == ".jsonl")
         if suffix in (".jsonl", ".json"):
             join = "\n\n" if section.join is None else section.join
             text = _from_datasets("json", path, section.text_field, join)

@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from kvquant.eval.caches import CacheSpec, fp16_bytes_per_token, kv_geometry, resolve_specs
-from kvquant.eval.config import EvalConfig, EvalError, Timing, cast, load_config
+from kvquant.eval.config import EvalConfig, EvalError, Timing, cast, check_output_dir, load_config
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.decode import compare, simulated_logprobs, teacher_forced_logprobs
 from kvquant.eval.memory import measure_memory
@@ -182,6 +182,7 @@ def run_eval(
     """
     cfg = load_config(config, overrides)
     specs = resolve_specs(cfg.caches) + list(caches or [])
+    check_output_dir("output.dir", cfg.output.dir)  # before the slow work, not after it
     corpus = load_corpus(cfg.corpus)
     if model is None:
         model, tokenizer = load_eval_model(cfg)

@@ -41,7 +41,7 @@ import torch
 import yaml
 
 from kvquant.eval.caches import CacheSpec, resolve_specs
-from kvquant.eval.config import CorpusSection, EvalError
+from kvquant.eval.config import CorpusSection, EvalError, check_output_dir
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.memory import PeakMemory, memory_numbers
 from kvquant.eval.records import RecordStore, claim_folder, write_json
@@ -266,6 +266,11 @@ def run_sweep(
     """
     cfg = load_sweep_config(config, overrides)
     specs = resolve_specs(cfg.caches)
+    out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
+    try:  # before the slow work, not after it
+        check_output_dir("out", out)
+    except EvalError as exc:
+        raise SweepError(str(exc)) from None
     corpus_section, corpus = _corpus(cfg)
     if model is not None:
         if tokenizer is None:
@@ -275,7 +280,6 @@ def run_sweep(
     else:
         fingerprint = ""
         labels = [model_label(m) for m in cfg.models]
-    out = Path(cfg.out or f"runs/sweep-{cfg.name or 'sweep'}")
     out.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, corpus, fingerprint)
     refusal = SweepError(

@@ -207,7 +207,9 @@ class KVQuantConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise _bad("config", sorted(unknown)[0], ", ".join(sorted(known)))
+            raise ValueError(
+                f"config: unknown key {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(known))}"
+            )
         data = dict(data)
         if "layer_overrides" in data and data["layer_overrides"] is None:
             data["layer_overrides"] = {}
@@ -215,12 +217,16 @@ class KVQuantConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> KVQuantConfig:
+        """A config from a YAML file holding a mapping of fields; ``ValueError`` naming the file when it
+        is missing, a folder, not UTF-8 text, not valid YAML, empty, or not a mapping."""
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"config: {str(path)!r} is a folder, not a YAML file")
         if not path.is_file():
             raise ValueError(
                 f"config: no such preset or YAML file {str(path)!r}; presets: {', '.join(preset_names())}"
             )
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _read_yaml(path)
         data.setdefault("name", path.stem)
         return cls.from_dict(data)
 
@@ -229,7 +235,7 @@ class KVQuantConfig:
         path = _presets_dir() / f"{name}.yaml"
         if not path.is_file():
             raise ValueError(f"preset: unknown preset {name!r}; allowed: {', '.join(preset_names())}")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _read_yaml(Path(str(path)))
         data["name"] = name
         return cls.from_dict(data)
 
@@ -249,6 +255,27 @@ class KVQuantConfig:
         raise ValueError(
             f"config: expected a preset name, YAML path, dict or KVQuantConfig, got {type(spec).__name__}"
         )
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping of fields in a config file; ``ValueError`` naming the file otherwise (an empty file
+    is an error, not the defaults: it is more likely a failed write than a wish for int8)."""
+    where = f"config: {str(path)!r}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: not a UTF-8 text file (a binary file?)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if data is None:
+        raise ValueError(f"{where}: empty; expected a mapping of fields, e.g. 'key_format: int4'")
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{where}: expected a mapping of fields (e.g. 'key_format: int4'), got a {type(data).__name__}"
+        )
+    return data
 
 
 def _presets_dir():

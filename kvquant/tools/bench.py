@@ -55,10 +55,14 @@ def resolve_presets(presets: tuple[str, ...] | list[str] | None) -> list[str]:
         names += preset_names() if p == "all" else [p]
     if not names:
         raise ValueError("--presets: empty")
+    from kvquant.eval.caches import check_static_scales
+
     for name in names:
         try:
-            KVQuantConfig.resolve(name)
-        except ValueError:
+            check_static_scales(KVQuantConfig.resolve(name))
+        except ValueError as exc:
+            if name.endswith((".yaml", ".yml")) or "/" in name:  # a file: say what is wrong with it
+                raise ValueError(f"--presets: {' '.join(str(exc).split())}") from None
             allowed = f"all, {', '.join(preset_names())}, or a YAML path"
             raise ValueError(f"--presets: unknown preset {name!r}; allowed: {allowed}") from None
     return list(dict.fromkeys(names))
@@ -248,6 +252,10 @@ def bench_cpu(
     contexts = list(contexts)
     check_settings(contexts, steps, repeats, warmup, prefill)
     presets = resolve_presets(presets)
+    if out_dir:  # an unwritable folder fails now, not after the measurements
+        from kvquant.eval.config import check_output_dir
+
+        check_output_dir("--out", out_dir)
     if model is None:
         model, _ = load_model(model_name)
     enable(model)

@@ -17,10 +17,25 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvquant.tools.arguments import (
+    USER_ERRORS,
+    OneLineParser,
+    check_cache,
+    check_output_file,
+    describe,
+    flagged,
+    float_above,
+    int_at_least,
+    ints_at_least,
+)
+
+# ------------------------------------------------------------------------------------------ demo
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvquant.tools.demo import run
 
+    check_cache("--cache", args.cache)
     return run(args.model, args.prompt, args.max_new_tokens, args.cache)
 
 
@@ -28,7 +43,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="generate with the embedded model and a KV cache, print the text")
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument("--prompt", default=None, help="user message (default: a fixed paragraph request)")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    p.add_argument("-n", "--max-new-tokens", type=int_at_least(1), default=128, help="(default: 128)")
     p.add_argument("--cache", default="int4", help="preset name or YAML path (default: int4)")
     p.set_defaults(func=_cmd_demo)
 
@@ -66,24 +81,15 @@ def _messages(command: str, level: int):
         log.removeHandler(handler)
 
 
-def _error(command: str, exc: Exception) -> int:
-    """Bad input: one line on stderr, exit status 2."""
-    print(f"kvquant {command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-    return 2
-
-
 def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override any key, e.g. {example}")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from kvquant.eval import EvalConfig, EvalError, load_config, run_eval
+    from kvquant.eval import EvalConfig, load_config, run_eval
 
-    try:
-        with _messages("eval", logging.INFO):
-            result = run_eval(load_config(args.config, _overrides(args, EvalConfig)))
-    except EvalError as exc:
-        return _error("eval", exc)
+    with _messages("eval", logging.INFO):
+        result = run_eval(load_config(args.config, _overrides(args, EvalConfig)))
     print(result.table)
     print(f"\nresults: {result.run_dir}")
     return 0
@@ -109,16 +115,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from kvquant.eval.config import EvalError
     from kvquant.eval.sweep import run_sweep
     from kvquant.eval.sweep_config import SweepConfig
 
-    try:
-        overrides = _overrides(args, SweepConfig)
-        with _messages("sweep", logging.INFO if overrides.get("progress", True) else logging.WARNING):
-            result = run_sweep(args.config, overrides=overrides)
-    except EvalError as exc:
-        return _error("sweep", exc)
+    overrides = _overrides(args, SweepConfig)
+    with _messages("sweep", logging.INFO if overrides.get("progress", True) else logging.WARNING):
+        result = run_sweep(args.config, overrides=overrides)
     print(result.table)
     print()
     for rec in result.recommendations:
@@ -149,7 +151,14 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.target == "kernels":
+        import torch
+
         from kvquant.tools.bench_kernels import main as kernels_main
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "kernels: needs a CUDA GPU, and torch sees none here; allowed on this machine: cpu"
+            )
 
         return kernels_main(["--out", args.out or "runs/bench-kernels"])
     if args.target == "gpu-check":
@@ -159,11 +168,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return gpu_check_main(argv + (["--tiny"] if args.tiny else []))
     from kvquant.tools.bench import bench_cpu, check_settings, resolve_presets
 
-    try:  # bad flags: one line, exit 2, before the model loads
-        check_settings(args.contexts, args.steps, args.repeats, args.warmup, args.prefill)
-        presets = resolve_presets(args.presets)
-    except ValueError as exc:
-        return _error("bench", exc)
+    # bad flags fail here, before the model loads
+    check_settings(args.contexts, args.steps, args.repeats, args.warmup, args.prefill)
+    presets = resolve_presets(args.presets)
+    if args.out:
+        from kvquant.eval.config import check_output_dir
+
+        check_output_dir("--out", args.out)
+    from kvquant.models import load_model
+
+    model, _ = flagged("--model", load_model, args.model)
     bench_cpu(
         args.model,
         tuple(args.contexts),
@@ -174,6 +188,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         out_dir=args.out,
         prefill=args.prefill,
         dequant=not args.no_dequant,
+        model=model,
     )
     return 0
 
@@ -190,15 +205,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("target", choices=["cpu", "kernels", "gpu-check"])
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
-    p.add_argument("--contexts", type=flag_type(list[int]), default=[2048, 4096])
+    p.add_argument("--contexts", type=ints_at_least(1), default=[2048, 4096], help="(default: 2048,4096)")
     p.add_argument(
         "--presets", type=flag_type(list[str]), default=["all"], help="comma-separated, or all (default)"
     )
-    p.add_argument("--steps", type=int, default=16, help="decode steps per timed round")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    p.add_argument("--steps", type=int_at_least(1), default=16, help="decode steps per timed round")
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed rounds (median)")
+    p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed runs first")
     p.add_argument(
-        "--prefill", type=int, default=1024, help="prompt tokens of the prefill column (0: no column)"
+        "--prefill",
+        type=int_at_least(0),
+        default=1024,
+        help="prompt tokens of the prefill column (0: no column)",
     )
     p.add_argument(
         "--no-dequant", action="store_true", help="leave out the dequantizing contenders (half the time)"
@@ -216,15 +234,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvquant.models import load_model
     from kvquant.tools.calibrate import calibrate_static_scales
 
-    try:
-        cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
-        corpus = load_corpus(CorpusSection(name=args.corpus))
-        model, tok = load_model(args.model)
-        ids = tokenize(tok, corpus.text)[None, : args.tokens]  # [1, N]
-        scales = calibrate_static_scales(model, ids, cfg, args.out, margin=args.margin)
-    except Exception as exc:  # one line, exit 2: bad input, not a traceback
-        print(f"kvquant calibrate: error: {exc}", file=sys.stderr)
-        return 2
+    cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
+    check_output_file("--out", args.out)
+    corpus = flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
+    model, tok = flagged("--model", load_model, args.model)
+    ids = tokenize(tok, corpus.text)[None, : args.tokens]  # [1, N]
+    scales = calibrate_static_scales(model, ids, cfg, args.out, margin=args.margin)
     print(
         f"wrote {args.out}: keys {tuple(scales['keys'].shape)}, values {tuple(scales['values'].shape)} "
         f"from {ids.shape[1]} tokens; use it as `static_scales: {args.out}` with key/value_format {args.format}"
@@ -236,10 +251,12 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="static per-(layer, head) int8 / fp8 scales from calibration text")
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument("--corpus", default="embedded", help="'embedded', 'wikitext2' or a local .txt/.jsonl file")
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--tokens", type=int_at_least(1), default=4096, help="calibration tokens (default: 4096)")
     p.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--rotation", default="none", choices=["none", "hadamard"])
-    p.add_argument("--margin", type=float, default=1.0)
+    p.add_argument(
+        "--margin", type=float_above(0), default=1.0, help="multiplies the observed maximum (default: 1.0)"
+    )
     p.add_argument("--out", required=True, help="output file (.pt)")
     p.set_defaults(func=_cmd_calibrate)
 
@@ -287,8 +304,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="default", help="HF id, local folder, config.json, or default")
     p.add_argument("--memory", required=True, help="accelerator memory, e.g. 80GiB, 80GB, 512MiB, bytes")
-    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="batch for the max-context column (default 1)")
+    p.add_argument("--context", type=int_at_least(1), required=True, help="tokens per sequence")
+    p.add_argument(
+        "--batch", type=int_at_least(1), default=1, help="batch for the max-context column (default 1)"
+    )
     p.add_argument("--weights-dtype", default="bf16", help="bf16 (default), fp16, fp32, fp8, int8, int4")
     p.add_argument("--kv-dtype", default="bf16", help="model dtype of the full-precision KV (default bf16)")
     p.add_argument(
@@ -308,26 +327,21 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from kvquant.models import load_model
     from kvquant.tools.tune import tune
 
-    try:
-        if args.windows < 1 or args.window_len < 2:
-            raise ValueError("--windows must be >= 1 and --window-len >= 2")
-        corpus = load_corpus(CorpusSection(name=args.corpus))
-        model, tok = load_model(args.model)
-        ids = make_windows(
-            tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows
-        )
-        result = tune(
-            model,
-            ids,
-            budget_kl=args.budget_kl,
-            budget_bits=args.budget_bits,
-            base=args.base,
-            progress=not args.no_progress,
-        )
-        result.config.to_yaml(args.out)
-    except Exception as exc:  # one line, exit 2: bad input, not a traceback
-        print(f"kvquant tune: error: {exc}", file=sys.stderr)
-        return 2
+    if args.base is not None:
+        check_cache("--base", args.base)
+    check_output_file("--out", args.out)
+    corpus = flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
+    model, tok = flagged("--model", load_model, args.model)
+    ids = make_windows(tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows)
+    result = tune(
+        model,
+        ids,
+        budget_kl=args.budget_kl,
+        budget_bits=args.budget_bits,
+        base=args.base,
+        progress=not args.no_progress,
+    )
+    result.config.to_yaml(args.out)
     print("layer  rung   " + "  ".join(f"{r:>8s}" for r in result.sensitivity))
     for i, rung in enumerate(result.rungs):
         kls = "  ".join(f"{result.sensitivity[r][i]:8.5f}" for r in result.sensitivity)
@@ -346,14 +360,21 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "--corpus", default="embedded", help="calibration text: 'embedded', 'wikitext2' or a local file"
     )
     budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--budget-kl", type=float, help="largest predicted mean KL vs full precision")
-    budget.add_argument("--budget-bits", type=float, help="largest mean format bits per element")
+    budget.add_argument(
+        "--budget-kl", type=float_above(0), help="largest predicted mean KL vs full precision (> 0)"
+    )
+    budget.add_argument(
+        "--budget-bits", type=float_above(0), help="largest mean format bits per element (> 0)"
+    )
     p.add_argument(
         "--base", default=None, help="preset / YAML with the shared settings (default: nuq ladder)"
     )
-    p.add_argument("--windows", type=int, default=2, help="calibration windows")
+    p.add_argument("--windows", type=int_at_least(1), default=2, help="calibration windows")
     p.add_argument(
-        "--window-len", type=int, default=512, help="tokens per window (the second half is scored)"
+        "--window-len",
+        type=int_at_least(2),
+        default=512,
+        help="tokens per window (the second half is scored)",
     )
     p.add_argument("--out", required=True, help="output config (.yaml)")
     p.add_argument("--no-progress", action="store_true")
@@ -363,8 +384,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kvquant import __version__
 
-    parser = argparse.ArgumentParser(prog="kvquant", description="KV-cache quantization for HF transformers")
+    parser = OneLineParser(prog="kvquant", description="KV-cache quantization for HF transformers")
     parser.add_argument("--version", action="version", version=f"kvquant {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error instead of its one line"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
     _add_eval(sub)
@@ -377,8 +401,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command; returns the exit status. Bad input (:data:`USER_ERRORS`, and argument errors):
+    one line on stderr, status 2; Ctrl-C: one line, status 130; ``--debug`` re-raises both with their
+    traceback. Anything else is a bug and propagates with its traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug, prog = "--debug" in argv, "kvquant"
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # argparse: an argument error (2), --help or --version (0)
+            return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+        debug, prog = args.debug, f"kvquant {args.command}"
+        return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        print(f"{prog}: error: {describe(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

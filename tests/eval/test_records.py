@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from kvquant.eval.config import EvalError
 from kvquant.eval.records import RecordStore, append_record, claim_folder, read_records
 
 
@@ -30,17 +31,50 @@ def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="kvquant.eval"):
         store = RecordStore(path)
     assert list(store.records) == ["a"]
-    assert "results.jsonl: skipping the unreadable (torn) line 2" in caplog.text
+    assert "results.jsonl: skipping the unreadable (torn) last line 2" in caplog.text
 
 
-def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path, caplog):
+def test_an_append_after_a_torn_line_cuts_the_torn_line_off(tmp_path, caplog):
     path = tmp_path / "results.jsonl"
     path.write_text('{"id": "a"}\n{"id": "b", "torn')
-    RecordStore(path).add({"id": "b"})  # the piece is redone and appended
-    assert path.read_text() == '{"id": "a"}\n{"id": "b", "torn\n{"id": "b"}\n'
+    with caplog.at_level(logging.WARNING, logger="kvquant.eval"):
+        RecordStore(path).add({"id": "b"})  # the piece is redone and appended
+    assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n'  # no fragment left behind, no glued line
+    assert "cutting off the torn last line" in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvquant.eval"):
         assert [r["id"] for r in read_records(path)] == ["a", "b"]
-    assert "line 2" in caplog.text
+    assert caplog.text == ""  # the file is whole again
+    # a torn first (only) line, and one torn inside a multi-byte character, are cut off the same way
+    path.write_bytes('{"id": "Δ'.encode()[:-1])
+    append_record(path, {"id": "c"})
+    assert path.read_text() == '{"id": "c"}\n'
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"id": "a"}\n{"id": "b"}')
+    assert [r["id"] for r in read_records(path)] == ["a", "b"]
+    append_record(path, {"id": "c"})
+    assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n'
+
+
+@pytest.mark.parametrize(
+    "bad", ['{"id": "b", "to', "[1, 2]", "7", b"\xff\xfe garbage"], ids=["torn", "list", "number", "binary"]
+)
+def test_a_bad_line_in_the_middle_is_an_error_naming_file_and_line(tmp_path, bad):
+    path = tmp_path / "results.jsonl"
+    bad = bad if isinstance(bad, bytes) else bad.encode()
+    path.write_bytes(b'{"id": "a"}\n\n' + bad + b'\n{"id": "c"}\n')
+    with pytest.raises(EvalError, match=r"results.jsonl: line 3 is not a JSON record"):
+        RecordStore(path)
+
+
+def test_an_unreadable_folder_stamp_is_an_error_naming_it(tmp_path):
+    stamp = tmp_path / "run.json"
+    stamp.write_bytes(b"\x00\x01")
+    with pytest.raises(EvalError, match="run.json: unreadable"):
+        claim_folder(stamp, "abc", "", ValueError("taken"))
 
 
 def test_each_record_is_one_write_of_a_whole_line(tmp_path, monkeypatch):
