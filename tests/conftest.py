@@ -24,3 +24,53 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def _greedy(model, cache, ids, n: int = 16, mask=None, **kw):
+    """``model.generate`` greedy for exactly ``n`` tokens through ``cache``: ``(sequences [B, T + n],
+    logits [n, B, V])`` (transformers' warnings silenced)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.fixture
+def greedy():
+    """:func:`_greedy`: ``greedy(model, cache, ids, n=16, mask=None, **generate_kwargs)``."""
+    return _greedy
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A local folder holding ``tiny_model("llama")`` and a character-level fast tokenizer (vocab <
+    128), so that the CLI can load it by path like any Hugging Face model."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvquant.models import tiny_model
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "\t": 9, "\n": 10}
+    vocab.update({chr(i): i for i in range(32, 127)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    fast.save_pretrained(path)
+    return path

@@ -36,24 +36,3 @@ def tiny():
 @pytest.fixture(scope="session")
 def byte_tok():
     return ByteTokenizer()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, tiny):
-    """A local folder holding the tiny llama and a character-level fast tokenizer (vocab < 128), so
-    that the CLI can load it by path like any Hugging Face model."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "\t": 9, "\n": 10}
-    vocab.update({chr(i): i for i in range(32, 127)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny.save_pretrained(path)
-    fast.save_pretrained(path)
-    return path

@@ -3,7 +3,6 @@ CPU decode path matches the reference, and a decode step allocates less than the
 
 import copy
 import types
-import warnings
 
 import pytest
 import torch
@@ -25,26 +24,8 @@ def test_import_registers_attention_and_mask_functions():
     assert "kvquant" in AttentionMaskInterface._global_mapping
 
 
-def _run(model, preset, fused, ids, mask, n=16):
-    cache = KVQuantCache(model.config, preset, fused=fused, initial_capacity=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            cache=cache,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences, torch.stack(out.logits)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_path_matches_dequantizing_path_on_every_preset(family):
+def test_fused_path_matches_dequantizing_path_on_every_preset(family, greedy):
     model = tiny_model(family)
     default = model.config._attn_implementation
     ids = torch.randint(3, 100, (3, 14), generator=torch.Generator().manual_seed(0))
@@ -52,9 +33,11 @@ def test_fused_path_matches_dequantizing_path_on_every_preset(family):
     ids[0, :5], mask[0, :5] = 0, 0  # a left-padded row
     for preset in preset_names():
         model.set_attn_implementation(default)
-        seq_ref, logits_ref = _run(model, preset, False, ids, mask)
+        dequantized = KVQuantCache(model.config, preset, fused=False, initial_capacity=4)
+        seq_ref, logits_ref = greedy(model, dequantized, ids, 16, mask, pad_token_id=0)
         kvquant.enable(model)
-        seq, logits = _run(model, preset, None, ids, mask)
+        fused = KVQuantCache(model.config, preset, initial_capacity=4)
+        seq, logits = greedy(model, fused, ids, 16, mask, pad_token_id=0)
         rel = ((logits - logits_ref).norm() / logits_ref.norm()).item()
         assert rel <= 1e-4, (family, preset, rel)
         assert torch.equal(seq, seq_ref), (family, preset)

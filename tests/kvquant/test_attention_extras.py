@@ -38,51 +38,36 @@ def _gpt_oss() -> torch.nn.Module:
     return model.eval()
 
 
-def _run(model, cache, ids, n=8):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(
-            input_ids=ids,
-            cache=cache,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences, torch.stack(out.logits)
-
-
-def test_gpt_oss_sinks_are_honoured():
+def test_gpt_oss_sinks_are_honoured(greedy):
     model = _gpt_oss()
     ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(1))
-    seq_ref, logits_ref = _run(model, DynamicCache(config=model.config), ids)
+    seq_ref, logits_ref = greedy(model, DynamicCache(config=model.config), ids, 8, pad_token_id=0)
     kvquant.enable(model)
-    seq, logits = _run(model, KVQuantCache(model.config, "none"), ids)
+    seq, logits = greedy(model, KVQuantCache(model.config, "none"), ids, 8, pad_token_id=0)
     assert torch.equal(seq, seq_ref)
     assert torch.allclose(logits, logits_ref, rtol=1e-4, atol=1e-4)
-    seq_plain, logits_plain = _run(model, DynamicCache(config=model.config), ids)  # plain tensors in
+    seq_plain, logits_plain = greedy(
+        model, DynamicCache(config=model.config), ids, 8, pad_token_id=0
+    )  # plain tensors in
     assert torch.allclose(logits_plain, logits_ref, rtol=1e-4, atol=1e-4)
     model.set_attn_implementation("eager")
 
 
 @pytest.mark.parametrize("preset", ["int4", "nuq4", "k3v2-recent"])
-def test_gpt_oss_sinks_fused_as_dequantized(preset):
+def test_gpt_oss_sinks_fused_as_dequantized(preset, greedy):
     model = _gpt_oss()
     ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(2))
-    seq_ref, logits_ref = _run(
-        model, KVQuantCache(model.config, preset, fused=False), ids
-    )  # eager, dequantized
+    dequantized = KVQuantCache(model.config, preset, fused=False)  # under eager
+    seq_ref, logits_ref = greedy(model, dequantized, ids, 8, pad_token_id=0)
     kvquant.enable(model)
-    seq, logits = _run(model, KVQuantCache(model.config, preset), ids)
+    seq, logits = greedy(model, KVQuantCache(model.config, preset), ids, 8, pad_token_id=0)
     assert torch.equal(seq, seq_ref)
     rel = ((logits - logits_ref).norm() / logits_ref.norm()).item()
     assert rel <= 1e-4, rel
     model.set_attn_implementation("eager")
 
 
-def test_a_model_whose_attention_bypasses_the_interface_is_refused_by_enable():
+def test_a_model_whose_attention_bypasses_the_interface_is_refused_by_enable(greedy):
     from transformers import FalconConfig
 
     cfg = FalconConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
@@ -94,7 +79,9 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused_by_enable():
         kvquant.enable(model)
     assert model.config._attn_implementation == before  # nothing half-done
     ids = torch.randint(3, 100, (1, 6))
-    seq, _ = _run(model, KVQuantCache(model.config, "int8"), ids, n=3)  # its own attention still works
+    seq, _ = greedy(
+        model, KVQuantCache(model.config, "int8"), ids, 3, pad_token_id=0
+    )  # its own attention still works
     assert seq.shape == (1, 9)
 
 

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -41,35 +39,19 @@ def test_a_group_with_no_multiple_of_8_below_it_takes_the_largest_divisor():
     assert KVQuantConfig(key_format="int4", value_format="int4", key_group_size=64).group_sizes(72)[0] == 24
 
 
-def _generate(model, preset, fused, ids, mask, n=6):
-    cache = KVQuantCache(model.config, preset, fused=fused, initial_capacity=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            cache=cache,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences, torch.stack(out.logits)
-
-
 @pytest.mark.parametrize("head_dim", [80, 96, 112, 256])
-def test_every_preset_runs_fused_as_dequantized_on_the_head_size(head_dim):
+def test_every_preset_runs_fused_as_dequantized_on_the_head_size(head_dim, greedy):
     model = tiny_model("llama", head_dim=head_dim)
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(head_dim))
     mask = torch.ones_like(ids)
     ids[0, :4], mask[0, :4] = 0, 0  # a left-padded row
     for preset in preset_names():
         model.set_attn_implementation("sdpa")
-        seq_ref, logits_ref = _generate(model, preset, False, ids, mask)
+        seq_ref, logits_ref = greedy(
+            model, KVQuantCache(model.config, preset, fused=False), ids, 6, mask, pad_token_id=0
+        )
         kvquant.enable(model)
-        seq, logits = _generate(model, preset, None, ids, mask)
+        seq, logits = greedy(model, KVQuantCache(model.config, preset), ids, 6, mask, pad_token_id=0)
         assert torch.isfinite(logits).all(), preset
         rel = ((logits - logits_ref).norm() / logits_ref.norm()).item()
         assert rel <= 1e-4, (head_dim, preset, rel)

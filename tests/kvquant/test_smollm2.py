@@ -3,7 +3,6 @@
 Marked `slow` (they load the real model); they still run in `make test`."""
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -82,22 +81,7 @@ def test_int4_bytes_at_2048_tokens(smollm2, wikitext_ids):
         model.to(torch.float32)
 
 
-def _generate(model, cache, ids, n=16):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(
-            ids,
-            cache=cache,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences, torch.stack(out.logits)
-
-
-def test_fused_attention_on_smollm2(smollm2, wikitext_ids):
+def test_fused_attention_on_smollm2(smollm2, wikitext_ids, greedy):
     """Pass-through under the fused path generates DynamicCache's tokens; every quantized preset gives
     the dequantizing path's logits on the same cache contents (each step runs both paths on copies of
     one cache: fed separately, a 1e-6 difference in a new token's K/V can flip one rounding and the
@@ -105,12 +89,12 @@ def test_fused_attention_on_smollm2(smollm2, wikitext_ids):
     model, _ = smollm2
     ids = wikitext_ids[:, :300]
     try:
-        ref_seq, _ = _generate(model, DynamicCache(config=model.config), ids)
-        dequant_seqs = {p: _generate(model, KVQuantCache(model.config, p), ids)[0] for p in preset_names()}
+        ref_seq, _ = greedy(model, DynamicCache(config=model.config), ids)
+        dequant_seqs = {p: greedy(model, KVQuantCache(model.config, p), ids)[0] for p in preset_names()}
         kvquant.enable(model)
-        assert torch.equal(_generate(model, KVQuantCache(model.config, "none"), ids)[0], ref_seq)
+        assert torch.equal(greedy(model, KVQuantCache(model.config, "none"), ids)[0], ref_seq)
         for preset in preset_names():
-            seq = _generate(model, KVQuantCache(model.config, preset), ids)[0]
+            seq = greedy(model, KVQuantCache(model.config, preset), ids)[0]
             assert torch.equal(seq, dequant_seqs[preset]), (preset, seq, dequant_seqs[preset])
         for preset in preset_names():
             cache = KVQuantCache(model.config, preset)

@@ -27,25 +27,8 @@ UNWRITABLE = "/sys/kvquant-test"  # mkdir fails there even as root
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A local tiny llama folder with a character-level tokenizer, loadable by path."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from kvquant.models import tiny_model
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "\t": 9, "\n": 10}
-    vocab.update({chr(i): i for i in range(32, 127)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(path)
-    fast.save_pretrained(path)
-    return path
+def tiny_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
