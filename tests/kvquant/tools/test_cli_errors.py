@@ -367,7 +367,16 @@ sys.exit(cli.main(sys.argv[1:] + ["plan", "--memory", "1GiB", "--context", "8"])
 def test_ctrl_c_exits_130_with_one_line(debug, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     argv = [sys.executable, "-c", SLOW_COMMAND] + (["--debug"] if debug else [])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+    # SIGINT back to its default in the child: a shell's background job (`make test &`) starts with it
+    # ignored, and Python then installs no KeyboardInterrupt handler
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert proc.stdout.readline() == b"ready\n"  # inside the command
         time.sleep(0.2)
