@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -236,14 +237,19 @@ def flag_nonfinite(
 
 def check_finite(*xs: torch.Tensor) -> None:
     """States entering a cache must be finite: ``ValueError`` (:data:`NONFINITE_INPUT`) at once on
-    CPU; on CUDA a device-side flag raised by :func:`raise_deferred` (no host sync per call)."""
+    CPU; on CUDA a device-side flag raised by :func:`raise_deferred` (no host sync per call).
+
+    On CPU the sums come first (a NaN or Inf anywhere makes a sum non-finite; one reduction per
+    tensor), and only a non-finite sum (or a finite-valued one that overflowed) is looked at closely."""
+    if not xs[0].is_cuda:
+        if math.isfinite(sum(float(x.sum(dtype=torch.float32)) for x in xs)):
+            return
+        if not all(bool(torch.isfinite(x).all()) for x in xs):
+            raise ValueError(NONFINITE_INPUT)
+        return
     bad = torch.zeros((), dtype=torch.bool, device=xs[0].device)
     for x in xs:
         bad = bad | ~torch.isfinite(x).all()
-    if not xs[0].is_cuda:
-        if bool(bad):
-            raise ValueError(NONFINITE_INPUT)
-        return
     code = bad.to(torch.int32) * 2
     prev = _pending.get(xs[0].device)
     _pending[xs[0].device] = code if prev is None else torch.maximum(prev, code)
