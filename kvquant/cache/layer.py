@@ -20,7 +20,7 @@ import functools
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvquant.cache.segments import QuantizedSegment, SinkSegment, TailSegment
+from kvquant.cache.segments import UPFRONT_TOKENS, QuantizedSegment, SinkSegment, TailSegment
 from kvquant.cache.store import TokenStore
 from kvquant.cache.view import KVView, QuantizedRead
 from kvquant.config import KVQuantConfig
@@ -107,7 +107,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 TokenStore(cfg.recent_value_format, vg, "token", sdt),
                 limit=cfg.recent_length,
             )
-            self.recent.allocate(b, h, d, 2 * min(cfg.recent_length, 1024), self.dtype, self.device)
+            self.recent.allocate(b, h, d, 2 * min(cfg.recent_length, UPFRONT_TOKENS), self.dtype, self.device)
         self.tail.allocate(key_states, value_states)
         if self.sinks is not None:
             self.sinks.allocate(key_states, value_states)

@@ -27,6 +27,10 @@ from kvquant.cache.store import Operand, TokenStore
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
+# the most tokens a window (tail, recent) is allocated for up front; a larger one grows as it fills
+UPFRONT_TOKENS = 1024
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -47,7 +51,7 @@ class TailSegment:
         self.k = self.v = None  # [B, H, cap, D]
 
     def allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        cap = 2 * (min(self.residual, 1024) + self.block) + 8  # a huge residual grows as it fills
+        cap = 2 * (min(self.residual, UPFRONT_TOKENS) + self.block) + 8
         self.k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])  # [B, H, cap, D]
         self.v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
         self.off = 0
