@@ -20,7 +20,11 @@ Every backend implements each op it supports with the op's one signature (see ``
 - ``rotate(x) -> x @ H`` (fp32 in and out, ``D`` even; ``H`` the normalized Hadamard matrix, block-diagonal
   in blocks of the largest power of two dividing ``D``);
 - ``dequantize(codes, scale, zero, i0, i1, *, fmt, group, axis, head_dim) -> x`` (fp32
-  ``[B, H, i1 - i0, D]``: buffer indices ``[i0, i1)`` of a store).
+  ``[B, H, i1 - i0, D]``: buffer indices ``[i0, i1)`` of a store);
+- ``transcode(src, i0, i1, dst, index, *, via, head_dim) -> bool`` (``src``: a store's codes,
+  scale, zero, fmt, group, axis; ``dst``: codes, scale, zero, fmt, group_size, axis, static_scale;
+  the rows ``dequantize`` gives, rounded through ``via``, written as ``quantize_append`` would;
+  False: refused, as there). Optional: where a backend has none, ``ops`` runs the two ops.
 
 Example:
     >>> call = DecodeCall.of("int4", "int4", head_dim=64, device="cpu")
@@ -142,6 +146,30 @@ class DequantizeCall:
 
 
 @dataclass(frozen=True)
+class TranscodeCall:
+    """One ``transcode`` call (a store's rows into another store), described."""
+
+    src_fmt: str
+    dst_fmt: str
+    head_dim: int
+    device: str
+    src_axis: str = "token"
+    src_scale_dtype: torch.dtype | None = None
+    dst_axis: str = "token"
+    dst_scale_dtype: torch.dtype | None = None
+    dst_static_scale: bool = False
+
+    def parts(self) -> tuple[DequantizeCall, QuantizeCall]:
+        """The ``dequantize`` and ``quantize_append`` calls it stands for."""
+        d = self.head_dim
+        read = DequantizeCall(self.src_fmt, d, self.device, self.src_axis, self.src_scale_dtype)
+        write = QuantizeCall(
+            self.dst_fmt, d, self.device, d, self.dst_axis, self.dst_scale_dtype, self.dst_static_scale
+        )
+        return read, write
+
+
+@dataclass(frozen=True)
 class RotateCall:
     """One ``rotate`` call, described."""
 
@@ -194,6 +222,9 @@ class Backend:
 
     def supports_dequantize(self, call: DequantizeCall) -> str | None:
         return f"{self.name} has no dequantize"
+
+    def supports_transcode(self, call: TranscodeCall) -> str | None:
+        return f"{self.name} has no transcode"
 
     def __repr__(self) -> str:
         return f"<kvquant kernels backend {self.name!r}>"

@@ -1,4 +1,5 @@
-"""One dispatch per op: ``quantize_append``, ``decode_attention``, ``dequantize``, ``encode``, ``rotate``.
+"""One dispatch per op: ``quantize_append``, ``decode_attention``, ``dequantize``, ``transcode``, ``encode``,
+``rotate``.
 
 Each op has one signature, shared by all its backends. A call is described by a small record
 (:mod:`kvquant.kernels.backend`: formats, head size, device, scale dtypes), and the first backend
@@ -35,12 +36,13 @@ from kvquant.kernels.backend import (
     QuantizeCall,
     RotateCall,
     SegmentRead,
+    TranscodeCall,
     check_finite,
     raise_deferred,
 )
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
 
-OPS = ("quantize_append", "decode_attention", "dequantize", "encode", "rotate")
+OPS = ("quantize_append", "decode_attention", "dequantize", "transcode", "encode", "rotate")
 
 
 @functools.cache
@@ -69,6 +71,7 @@ def _unsupported(backend: Backend, op: str, call, forced: bool) -> str | None:
         "encode": backend.supports_encode,
         "rotate": backend.supports_rotate,
         "dequantize": backend.supports_dequantize,
+        "transcode": backend.supports_transcode,
     }[op]
     return check(call)
 
@@ -79,6 +82,7 @@ _RECORDS = {
     "encode": EncodeCall,
     "rotate": RotateCall,
     "dequantize": DequantizeCall,
+    "transcode": TranscodeCall,
 }
 
 
@@ -311,6 +315,63 @@ def dequantize(
     return next(_pick("dequantize", fields, backend)).dequantize(codes, scale, zero, i0, i1, **kw)
 
 
+def transcode(
+    src: tuple,
+    i0: int,
+    i1: int,
+    dst: tuple,
+    index: int,
+    *,
+    via: torch.dtype,
+    head_dim: int,
+    backend: str | None = None,
+) -> None:
+    """Move a store's buffer indices ``[i0, i1)`` into another store at ``index``: what a tier's
+    oldest tokens cost when they age into the next (the recent window into the main store).
+
+    ``src = (codes, scale, zero, fmt, group, axis)`` as :func:`dequantize` takes them; ``dst =
+    (codes, scale, zero, fmt, group_size, axis, static_scale)`` as :func:`quantize_append` takes
+    them. The result is exactly ``quantize_append(dequantize(src, i0, i1).to(via), *dst, index)``,
+    the torch twin, bit for bit: one C call on CPU; elsewhere those two ops, each on its own
+    backend. Values the destination refuses raise its spec's ``ValueError``, as there.
+
+    Example:
+        >>> src = (codes4, scale4, zero4, "int4", 64, "token")   # an int4 store, head_dim 64
+        >>> dst = (codes2, scale2, zero2, "int2", 64, "token", False)
+        >>> transcode(src, 3, 4, dst, 10, via=torch.float32, head_dim=64)
+    """
+    codes, scale, zero, fmt, group, axis = src
+    d_codes, d_scale, d_zero, d_fmt, d_group, d_axis, d_static = dst
+    if not (0 <= i0 <= i1 <= codes.shape[2]):
+        raise ValueError(f"i0, i1: need 0 <= i0 <= i1 <= {codes.shape[2]} (the buffer), got {i0}, {i1}")
+    if i1 == i0:
+        return
+    sdt = None if scale is None else scale.dtype
+    dsdt = None if d_scale is None else d_scale.dtype
+    fields = (fmt, d_fmt, head_dim, codes.device.type, axis, sdt, d_axis, dsdt, bool(d_static))
+    if backend is None:
+        movers = _pick("transcode", fields, None)
+    else:  # forced: its own transcode where it has one, else its dequantize and quantize_append
+        call = TranscodeCall(*fields)
+        movers = [
+            b
+            for b in backends()
+            if b.name == backend
+            and _unsupported(b, "transcode", call, True) is None
+            and b.available() is None
+        ]
+    for b in movers:
+        if b.transcode(src, i0, i1, dst, index, via=via, head_dim=head_dim):
+            return
+    rows = dequantize(
+        codes, scale, zero, i0, i1, fmt=fmt, group=group, axis=axis, head_dim=head_dim, backend=backend
+    )
+    quantize_append(
+        rows.to(via), d_codes, d_scale, d_zero, index, fmt=d_fmt, group_size=d_group, axis=d_axis,
+        static_scale=d_static, backend=backend,
+    )  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------- encode
 
 
@@ -367,6 +428,9 @@ def backend_for(op_name: str, **call) -> str:
     ``k_axis``, ``k_group``, ``v_group``, ``scale_dtype`` (or ``k_scale_dtype`` / ``v_scale_dtype``),
     ``fp_tokens``. ``encode``: ``fmt``, ``head_dim``, ``device``. ``rotate``: ``head_dim``, ``device``.
     ``dequantize``: ``fmt``, ``head_dim``, ``device``, ``axis``, ``scale_dtype``.
+    ``transcode``: ``src_fmt``, ``dst_fmt``, ``head_dim``, ``device``, ``src_axis``, ``dst_axis``,
+    ``scale_dtype`` (the source's), ``dst_scale_dtype``, ``static_scale``; a call no backend runs in
+    one piece names the backends of its two ops (``"reference+reference"``).
 
     Example:
         >>> backend_for("decode_attention", fmt="none", head_dim=64, device="cpu")
@@ -385,6 +449,18 @@ def backend_for(op_name: str, **call) -> str:
     elif op_name == "dequantize":
         sdt = None if call.get("fmt") == "none" else scale_dtype
         desc = DequantizeCall(call.pop("fmt"), head_dim, device, call.pop("axis", "token"), sdt)
+    elif op_name == "transcode":
+        desc = TranscodeCall(
+            call.pop("src_fmt"),
+            call.pop("dst_fmt"),
+            head_dim,
+            device,
+            call.pop("src_axis", "token"),
+            scale_dtype,
+            call.pop("dst_axis", "token"),
+            call.pop("dst_scale_dtype", scale_dtype),
+            bool(call.pop("static_scale", False)),
+        )
     elif op_name == "quantize_append":
         fmt = call.pop("fmt")
         desc = QuantizeCall(
@@ -413,7 +489,17 @@ def backend_for(op_name: str, **call) -> str:
         )
     if call:
         raise ValueError(f"call: unknown fields for {op_name}: {', '.join(sorted(call))}")
-    return next(_pick(op_name, tuple(getattr(desc, f.name) for f in record_fields(desc)), None)).name
+    fields = tuple(getattr(desc, f.name) for f in record_fields(desc))
+    if op_name == "transcode":  # no backend moves the rows in one call: its two ops, on theirs
+        movers = list(_pick(op_name, fields, None))
+        if not movers:
+            read, write = desc.parts()
+            return "+".join(
+                next(_pick(op, tuple(getattr(c, f.name) for f in record_fields(c)), None)).name
+                for op, c in (("dequantize", read), ("quantize_append", write))
+            )
+        return movers[0].name
+    return next(_pick(op_name, fields, None)).name
 
 
 __all__ = [
@@ -428,4 +514,5 @@ __all__ = [
     "SegmentRead",
     "raise_deferred",
     "rotate",
+    "transcode",
 ]

@@ -6,7 +6,15 @@ import torch
 
 from kvquant.formats import format_spec
 from kvquant.formats.trellis import TRELLIS_STATE_BITS, TWO_PASS_FROM, trellis_table
-from kvquant.kernels.backend import Backend, DecodeCall, DequantizeCall, EncodeCall, QuantizeCall, RotateCall
+from kvquant.kernels.backend import (
+    Backend,
+    DecodeCall,
+    DequantizeCall,
+    EncodeCall,
+    QuantizeCall,
+    RotateCall,
+    TranscodeCall,
+)
 from kvquant.kernels.cpu.binding import (
     _SCALE_DTYPES,
     _WRITTEN_SCALE_DTYPES,
@@ -18,6 +26,7 @@ from kvquant.kernels.cpu.binding import (
     dequantize_native,
     quantize_into,
     rotate_native,
+    transcode_native,
     trellis_encode_native,
     writes_head,
 )
@@ -77,6 +86,10 @@ class CpuBackend(Backend):
             return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
         return None
 
+    def supports_transcode(self, call: TranscodeCall) -> str | None:
+        read, write = call.parts()
+        return self.supports_dequantize(read) or self.supports_quantize(write)
+
     def supports_rotate(self, call: RotateCall) -> str | None:
         return None  # ops checks the head size (a power of two) for every backend
 
@@ -94,6 +107,9 @@ class CpuBackend(Backend):
 
     def dequantize(self, codes, scale, zero, i0, i1, **kw) -> torch.Tensor:
         return dequantize_native(codes, scale, zero, i0, i1, **kw)
+
+    def transcode(self, src, i0, i1, dst, index, *, via, head_dim) -> bool:
+        return transcode_native(src, i0, i1, dst[:4], index, via=via, head_dim=head_dim)
 
 
 def search(y: torch.Tensor, bits: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from kvquant.formats import FORMAT_NAMES, format_spec
 from kvquant.formats.trellis import TWO_PASS_FROM
-from kvquant.kernels.cpu.build import _library, _Operand, native_error
+from kvquant.kernels.cpu.build import _library, _Operand, _Writer, native_error
 from kvquant.kernels.reference import rotation_block
 
 MAX_HEAD_DIM = 512
@@ -289,6 +289,51 @@ def _codebook_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return spec.lut(), torch.tensor(spec.scale_search, dtype=torch.float32)
 
 
+_WRITER_KINDS = {
+    "kvq_quantize": 0,
+    "kvq_quantize_codebook": 1,
+    "kvq_quantize_fp8": 2,
+    "kvq_quantize_trellis": 3,
+}
+_WRITERS: dict[tuple, _Writer] = {}  # described writes by buffer address and layout (see _cached_writer)
+
+
+def _writer_of(codes, scale, zero, fmt: str) -> _Writer:
+    """Describe the writes into one store's buffers (at token 0): pointers, strides and the
+    format's constants and tables (built once per format, kept alive by their caches)."""
+    spec = format_spec(fmt)
+    w = _Writer(codes.data_ptr(), *_strides(codes))
+    w.scale = scale.data_ptr()
+    w.zero = None if zero is None else zero.data_ptr()
+    w.ssb, w.ssh, w.sst = _strides(scale)
+    w.kind = _WRITER_KINDS[_writer(spec)]
+    w.scale_dtype, w.n_groups = _SCALE_DTYPES[scale.dtype], scale.shape[-1]
+    w.bits, w.is_signed = spec.bits, int(spec.signed)
+    if w.kind == 1:
+        levels, grid = _codebook_tables(fmt)
+        w.levels, w.grid, w.n_grid, w.qmax = levels.data_ptr(), grid.data_ptr(), grid.numel(), spec.qmax
+    elif w.kind == 2:
+        w.mant, w.bias, w.qmax = spec.mantissa_bits, spec.exponent_bias, spec.qmax
+    elif w.kind == 3:
+        w.state_bits, w.table, w.two_pass_from = spec.state_bits, spec.state_table().data_ptr(), TWO_PASS_FROM
+    return w
+
+
+def _cached_writer(codes, scale, zero, fmt: str) -> _Writer:
+    """:func:`_writer_of`, memoised as :func:`_cached_operand` is: a pure function of the format and
+    each buffer's address, shape, strides and dtype (a store writes into the same buffers step after
+    step)."""
+    key = (fmt,) + tuple(
+        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (codes, scale, zero)
+    )
+    w = _WRITERS.get(key)
+    if w is None:
+        if len(_WRITERS) >= _OPERANDS_MAX:
+            _WRITERS.clear()
+        w = _WRITERS[key] = _writer_of(codes, scale, zero, fmt)
+    return w
+
+
 def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
     """``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` / ``zero
     [B, H, cap, D / G]`` at buffer index ``index`` (a format of ``QUANTIZE_FORMATS``, token axis,
@@ -305,48 +350,38 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
         >>> quantize_into(torch.randn(1, 2, 3, 64), codes, scale, None, 0, "nuq4")
         True
     """
-    spec = format_spec(fmt)
     xf = x.float()
     if xf.stride(-1) != 1:
         xf = xf.contiguous()
     b, h, n, d = xf.shape
-    lib = _library()
-    head = (
-        xf.data_ptr(),
-        b,
-        h,
-        n,
-        d,
-        *_strides(xf),
-        codes.data_ptr() + index * codes.stride(2),
-        *_strides(codes),
+    w = _cached_writer(codes, scale, zero, fmt)
+    rc = _library().kvq_write(
+        ctypes.byref(w), xf.data_ptr(), b, h, n, d, *_strides(xf), index, _threads(b * h * n * 16)
     )
-    s_ptr = scale.data_ptr() + index * scale.stride(2) * scale.element_size()
-    dtype, groups = _SCALE_DTYPES[scale.dtype], scale.shape[-1]
-    writer = _writer(spec)
-    if writer == "kvq_quantize":
-        zero = zero if zero is not None else scale
-        z_ptr = zero.data_ptr() + index * zero.stride(2) * zero.element_size()
-        rc = lib.kvq_quantize(
-            *head, s_ptr, z_ptr, *_strides(scale), dtype, spec.bits, int(spec.signed), groups
-        )
-    elif writer == "kvq_quantize_codebook":
-        levels, grid = _codebook_tables(fmt)
-        rc = lib.kvq_quantize_codebook(
-            *head, s_ptr, *_strides(scale), dtype, spec.bits, groups,
-            levels.data_ptr(), grid.data_ptr(), grid.numel(), spec.qmax, _threads(b * h * n * 16),
-        )  # fmt: skip
-    elif writer == "kvq_quantize_trellis":
-        rc = lib.kvq_quantize_trellis(
-            *head, s_ptr, *_strides(scale), dtype, spec.bits, spec.state_bits, groups,
-            spec.state_table().data_ptr(), TWO_PASS_FROM, _threads(b * h * n * 16),
-        )  # fmt: skip
-    else:
-        rc = lib.kvq_quantize_fp8(
-            *head, s_ptr, *_strides(scale), dtype, groups, spec.mantissa_bits, spec.exponent_bias, spec.qmax
-        )
     if rc < 0:
         raise MemoryError("native CPU quantize kernel: out of memory")
+    return rc == 0
+
+
+_VIA = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the dtypes a transcode rounds through
+
+
+def transcode_native(src, i0: int, i1: int, dst, index: int, *, via: torch.dtype, head_dim: int) -> bool:
+    """Buffer indices ``[i0, i1)`` of ``src`` (codes, scale, zero, fmt, group, axis as
+    :func:`dequantize_native` takes them) dequantized, rounded through ``via`` and quantized into
+    ``dst`` (codes, scale, zero, fmt as :func:`quantize_into` takes them) at ``index``: one C call,
+    the results of :func:`dequantize_native` ``.to(via)`` then :func:`quantize_into`. False where
+    the destination's spec refuses the values (nothing counted written)."""
+    codes, scale, zero, fmt, group, axis = src
+    keep: list = []
+    op = _cached_operand(codes, scale, zero, fmt, group, axis, keep)
+    w = _cached_writer(*dst)
+    b, h, n = codes.shape[0], codes.shape[1], i1 - i0
+    rc = _library().kvq_transcode(
+        ctypes.byref(op), b, h, i0, n, head_dim, ctypes.byref(w), index, _VIA[via], _threads(b * h * n * 16)
+    )
+    if rc < 0:
+        raise MemoryError("native CPU transcode: out of memory")
     return rc == 0
 
 

@@ -65,6 +65,36 @@ class _Operand(ctypes.Structure):
     ]
 
 
+class _Writer(ctypes.Structure):
+    """Mirror of ``kvq_writer`` in quantize_cpu.c."""
+
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("csb", ctypes.c_int64),
+        ("csh", ctypes.c_int64),
+        ("cst", ctypes.c_int64),
+        ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
+        ("ssb", ctypes.c_int64),
+        ("ssh", ctypes.c_int64),
+        ("sst", ctypes.c_int64),
+        ("kind", ctypes.c_int32),
+        ("scale_dtype", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
+        ("is_signed", ctypes.c_int32),
+        ("n_groups", ctypes.c_int32),
+        ("mant", ctypes.c_int32),
+        ("bias", ctypes.c_int32),
+        ("state_bits", ctypes.c_int32),
+        ("n_grid", ctypes.c_int32),
+        ("qmax", ctypes.c_float),
+        ("levels", ctypes.c_void_p),
+        ("grid", ctypes.c_void_p),
+        ("table", ctypes.c_void_p),
+        ("two_pass_from", ctypes.c_int64),
+    ]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -131,6 +161,13 @@ def _load(path: Path) -> ctypes.CDLL:
     dq = lib.kvq_dequantize
     dq.restype = None
     dq.argtypes = [op, i64, i64, i64, i64, i64, p]
+    wr, i32 = ctypes.POINTER(_Writer), ctypes.c_int
+    kw = lib.kvq_write
+    kw.restype = ctypes.c_int
+    kw.argtypes = [wr, p, i64, i64, i64, i64, i64, i64, i64, i64, i32]
+    tc = lib.kvq_transcode
+    tc.restype = ctypes.c_int
+    tc.argtypes = [op, i64, i64, i64, i64, i64, wr, i64, i32, i32]
     ro = lib.kvq_rotate
     ro.restype = None
     ro.argtypes = [p, i64, p, i64, i64, ctypes.c_float, ctypes.c_int]

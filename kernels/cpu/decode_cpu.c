@@ -20,24 +20,6 @@
 
 #define BLOCK_T 64
 
-typedef struct {
-    const uint8_t *codes;             /* [B, H, T, W] bytes, rows start at token 0 of the slice */
-    int64_t code_sb, code_sh, code_st;/* byte strides of batch, head, token (the W bytes are contiguous) */
-    const void *scale;                /* token axis: [B, H, T, ng]; channel axis: [B, H, T/group, D]; NULL: none */
-    int64_t scale_sb, scale_sh, scale_st; /* element strides */
-    const void *zero;                 /* same layout and dtype as scale, or NULL */
-    int64_t zero_sb, zero_sh, zero_st;
-    const float *lut;                 /* code -> level table (fp8, codebooks; trellis: state -> level), or NULL */
-    int32_t bits;                     /* 8, 4, 3 or 2 */
-    int32_t is_signed;                /* 8-bit codes read as int8 (symmetric int8) */
-    int32_t n_groups;                 /* token axis: scale groups per head vector */
-    int32_t channel_axis;             /* 1: one scale row per `group` tokens, D entries per row */
-    int32_t group;                    /* channel axis: tokens per scale row */
-    int32_t scale_dtype;              /* scale / zero storage: 0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3fn */
-    int32_t state_codes;              /* trellis: codes per state m (lut has 2^(m*bits) entries); 0: one code per element */
-    int32_t fp8;                      /* 1: float8 e4m3fn codes, 2: e5m2 (lut holds their values too); 0: not fp8 */
-} kvq_operand;
-
 /* n scale / zero entries starting at element i of p (stored as `dtype`) -> fp32 dst. */
 static inline void load_f32(const void *p, int dtype, int64_t i, int n, float *restrict dst) {
     if (dtype == 3) {

@@ -1,10 +1,33 @@
-/* What the kernels (decode_cpu.c, quantize_cpu.c, rotate_cpu.c) share: the float8 e4m3fn scale
- * dtype read into fp32, the Hadamard rotation of a row. */
+/* What the kernels (decode_cpu.c, quantize_cpu.c, rotate_cpu.c) share: the operand a store's
+ * buffers are read through, the float8 e4m3fn scale dtype read into fp32, the Hadamard rotation of
+ * a row. */
 #ifndef KVQ_COMMON_H
 #define KVQ_COMMON_H
 
 #include <math.h>
 #include <stdint.h>
+
+/* One quantized operand as a store holds it (mirrored by _Operand in build.py). */
+typedef struct {
+    const uint8_t *codes;             /* [B, H, T, W] bytes, rows start at token 0 of the slice */
+    int64_t code_sb, code_sh, code_st;/* byte strides of batch, head, token (the W bytes are contiguous) */
+    const void *scale;                /* token axis: [B, H, T, ng]; channel axis: [B, H, T/group, D]; NULL: none */
+    int64_t scale_sb, scale_sh, scale_st; /* element strides */
+    const void *zero;                 /* same layout and dtype as scale, or NULL */
+    int64_t zero_sb, zero_sh, zero_st;
+    const float *lut;                 /* code -> level table (fp8, codebooks; trellis: state -> level), or NULL */
+    int32_t bits;                     /* 8, 4, 3 or 2 */
+    int32_t is_signed;                /* 8-bit codes read as int8 (symmetric int8) */
+    int32_t n_groups;                 /* token axis: scale groups per head vector */
+    int32_t channel_axis;             /* 1: one scale row per `group` tokens, D entries per row */
+    int32_t group;                    /* channel axis: tokens per scale row */
+    int32_t scale_dtype;              /* scale / zero storage: 0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3fn */
+    int32_t state_codes;              /* trellis: codes per state m (lut has 2^(m*bits) entries); 0: one code per element */
+    int32_t fp8;                      /* 1: float8 e4m3fn codes, 2: e5m2 (lut holds their values too); 0: not fp8 */
+} kvq_operand;
+
+/* Dequantized rows out [B, H, n, D] of tokens [t0, t0 + n) of o (decode_cpu.c). */
+void kvq_dequantize(const kvq_operand *o, int64_t B, int64_t H, int64_t t0, int64_t n, int64_t D, float *out);
 
 /* One float8 e4m3fn value (bias 7, no infinities, 0x7f / 0xff NaN) -> fp32. */
 static inline float e4m3_to_f32(uint8_t b) {

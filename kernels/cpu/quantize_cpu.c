@@ -644,3 +644,76 @@ __attribute__((optimize("fp-contract=off"))) int kvq_quantize_trellis(
     }
     return failed ? -1 : bad;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * A store's write described once (mirrored by _Writer in build.py): its buffers at token 0 and
+ * how its format quantizes, so a decode step's write is one call with the rows and an index.
+ */
+typedef struct {
+    uint8_t *codes;                   /* [B, H, cap, W] at token 0 */
+    int64_t csb, csh, cst;            /* element (= byte) strides */
+    void *scale, *zero;               /* [B, H, cap, ng] at token 0; zero NULL where none */
+    int64_t ssb, ssh, sst;            /* element strides of scale (zero: the same layout) */
+    int32_t kind;                     /* 0 integer, 1 codebook, 2 fp8, 3 trellis */
+    int32_t scale_dtype, bits, is_signed, n_groups;
+    int32_t mant, bias;               /* fp8 */
+    int32_t state_bits, n_grid;       /* trellis L; codebook search grid size */
+    float qmax;                       /* codebook, fp8 */
+    const float *levels, *grid;       /* codebook levels [16], search grid [n_grid] */
+    const float *table;               /* trellis state table [2**L] */
+    int64_t two_pass_from;            /* trellis */
+} kvq_writer;
+
+static int64_t scale_bytes(int dtype) { return dtype == 0 ? 4 : (dtype == 3 ? 1 : 2); }
+
+/* x [B, H, n, D] (element strides, D contiguous) into w's buffers at token `index`: the entry point
+ * of w's kind, with the same results and return codes. */
+int kvq_write(const kvq_writer *w, const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb,
+              int64_t xsh, int64_t xst, int64_t index, int n_threads) {
+    uint8_t *codes = w->codes + index * w->cst;
+    const int64_t off = index * w->sst * scale_bytes(w->scale_dtype);
+    void *scale = (char *)w->scale + off, *zero = w->zero ? (char *)w->zero + off : scale;
+    switch (w->kind) {
+    case 0:
+        return kvq_quantize(x, B, H, n, D, xsb, xsh, xst, codes, w->csb, w->csh, w->cst, scale, zero, w->ssb,
+                            w->ssh, w->sst, w->scale_dtype, w->bits, w->is_signed, w->n_groups);
+    case 1:
+        return kvq_quantize_codebook(x, B, H, n, D, xsb, xsh, xst, codes, w->csb, w->csh, w->cst, scale, w->ssb,
+                                     w->ssh, w->sst, w->scale_dtype, w->bits, w->n_groups, w->levels, w->grid,
+                                     w->n_grid, w->qmax, n_threads);
+    case 2:
+        return kvq_quantize_fp8(x, B, H, n, D, xsb, xsh, xst, codes, w->csb, w->csh, w->cst, scale, w->ssb,
+                                w->ssh, w->sst, w->scale_dtype, w->n_groups, w->mant, w->bias, w->qmax);
+    default:
+        return kvq_quantize_trellis(x, B, H, n, D, xsb, xsh, xst, codes, w->csb, w->csh, w->cst, scale, w->ssb,
+                                    w->ssh, w->sst, w->scale_dtype, w->bits, w->state_bits, w->n_groups,
+                                    w->table, w->two_pass_from, n_threads);
+    }
+}
+
+/* fp32 -> fp16 (dtype 1) / bf16 (2) -> fp32, round to nearest even: what torch's .to() does. */
+static float through_half(float x, int dtype) {
+    if (dtype == 1) return (float)(_Float16)x;
+    uint32_t u;
+    memcpy(&u, &x, sizeof(u));
+    u = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
+    float y;
+    memcpy(&y, &u, sizeof(y));
+    return y;
+}
+
+/* Tokens [i0, i0 + n) of src dequantized (kvq_dequantize), rounded through `via` (0 fp32: as they
+ * are; 1 fp16, 2 bf16: the dtype a layer holds them in), then written into dst at token `index`
+ * (kvq_write): what a tier's oldest tokens cost moving to the next tier, in one call. Returns
+ * kvq_write's code, -1 when out of memory. */
+int kvq_transcode(const kvq_operand *src, int64_t B, int64_t H, int64_t i0, int64_t n, int64_t D,
+                  const kvq_writer *dst, int64_t index, int via, int n_threads) {
+    float *rows = malloc(sizeof(float) * (size_t)(B * H * n * D));
+    if (!rows) return -1;
+    kvq_dequantize(src, B, H, i0, n, D, rows);
+    if (via)
+        for (int64_t i = 0; i < B * H * n * D; i++) rows[i] = through_half(rows[i], via);
+    const int rc = kvq_write(dst, rows, B, H, n, D, H * n * D, n * D, D, index, n_threads);
+    free(rows);
+    return rc;
+}
