@@ -64,7 +64,17 @@ class KeyTransform:
         self.rotated = rotation == "hadamard"
         self.smoothing = smoothing
         self.scale_dtype = scale_dtype
-        self.stats: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.stats = None
+
+    @property
+    def stats(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
+        self._stats = value
+        # the fp32 copies every decode step computes with, made once per fit / batch change
+        self._stats32 = None if value is None else tuple(None if t is None else t.float() for t in value)
 
     @property
     def is_identity(self) -> bool:
@@ -101,12 +111,15 @@ class KeyTransform:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v [B, H, n, D]`` -> the stored space (keys fp32 once smoothed); ``rotate=False``:
         smoothed only (for a kernel that rotates them itself: ``ops.decode_attention(rotation=...)``)."""
-        if self.stats is not None:
-            mean, std = self.stats
-            k = k.float() - mean.float()
+        if self._stats32 is not None:
+            mean, std = self._stats32
+            k = k.float() - mean
             if std is not None:
-                k = k / std.float()
+                k = k / std
         if self.rotated and rotate:
+            if k.dtype == v.dtype == torch.float32 and k.shape == v.shape:  # one call for both
+                kv = ops.rotate(torch.stack((k, v)))  # [2, B, H, n, D]
+                return kv[0], kv[1]
             k, v = _rotate(k), _rotate(v)
         return k, v
 
@@ -114,12 +127,12 @@ class KeyTransform:
         """Inverse of :meth:`apply` (keys come back fp32 where smoothed)."""
         if self.rotated:
             k, v = unrotate(k), unrotate(v)
-        if self.stats is not None:
-            mean, std = self.stats
+        if self._stats32 is not None:
+            mean, std = self._stats32
             k = k.float()
             if std is not None:
-                k = k * std.float()
-            k = k + mean.float()
+                k = k * std
+            k = k + mean
         return k, v
 
     # ------------------------------------------------------------------------------------ attention

@@ -229,7 +229,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 self.transform.fit(out[0], self._own_tokens(t0, out[0].shape[2]))
             out = self.transform.apply(*out)
             for tier in reversed(self.tiers):  # newest tier first; each passes on what ages out
-                out = tier.push(*out)
+                out = tier.push(out)
                 if out is None:
                     break
         self.seq_len += k.shape[2]

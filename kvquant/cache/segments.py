@@ -19,6 +19,7 @@ quantized tiers, :meth:`QuantizedSegment.operands` (what the decode kernel reads
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,23 @@ UPFRONT_TOKENS = 1024
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """Tokens aging out of a quantized tier, still in its buffers: indices ``[i0, i1)`` of its K
+    and V operands (the buffers as they were: a tier that moves afterwards gets new ones), read in
+    ``dtype``. The next quantized tier takes them in one op (:meth:`TokenStore.write_from`)."""
+
+    k: Operand
+    v: Operand
+    i0: int
+    i1: int
+    dtype: torch.dtype
+
+    def tensors(self) -> KV:
+        """Dequantized ``[B, H, i1 - i0, D]`` each."""
+        return self.k.read(self.i0, self.i1, self.dtype), self.v.read(self.i0, self.i1, self.dtype)
 
 
 class TailSegment:
@@ -178,13 +196,26 @@ class QuantizedSegment:
         for store in self.stores:
             store.grow(needed, used)
 
-    def push(self, k: torch.Tensor, v: torch.Tensor) -> KV | None:
-        """Quantize ``k, v [B, H, n, D]`` (stored space) as the newest positions; return, dequantized
-        in the input's dtype, the oldest positions beyond ``limit`` (None for the main store).
+    def push(self, kv: KV | Leaving) -> KV | Leaving | None:
+        """Quantize ``kv = (k, v) [B, H, n, D]`` (stored space; or tokens :class:`Leaving` an
+        newer tier) as the newest positions; return the oldest positions beyond ``limit``
+        (None for the main store): :class:`Leaving` in a decode step, else dequantized in the
+        input's dtype.
 
         The recent window appends past its end like the main store and only advances ``low`` (its
         first position) as tokens age out: the buffers are rebuilt (the window moved to index 0)
         once they are full, every ``capacity - limit`` tokens, not at every step."""
+        if isinstance(kv, Leaving):
+            if self.limit is None:  # into the main store: one transcode per K / V, no tensors between
+                n = kv.i1 - kv.i0
+                self._reserve(self.end + n)
+                index = self.end - self.origin
+                self.k_store.write_from(index, kv.k, kv.i0, kv.i1, kv.dtype)
+                self.v_store.write_from(index, kv.v, kv.i0, kv.i1, kv.dtype)
+                self.end += n
+                return None
+            kv = kv.tensors()
+        k, v = kv
         n = k.shape[2]
         if self.limit is None:
             self._reserve(self.end + n)
@@ -197,10 +228,13 @@ class QuantizedSegment:
         out = None
         if leave + direct:
             i0 = self.low - self.origin
-            old = [s.read(i0, i0 + leave, k.dtype) for s in self.stores] if leave else None
-            out_k = k[:, :, :direct] if not leave else torch.cat([old[0], k[:, :, :direct]], 2)
-            out_v = v[:, :, :direct] if not leave else torch.cat([old[1], v[:, :, :direct]], 2)
-            out = (out_k, out_v)
+            if not direct:  # a decode step: only old tokens leave, read by the next tier in place
+                out = Leaving(self.k_store.operand(), self.v_store.operand(), i0, i0 + leave, k.dtype)
+            else:
+                old = [s.read(i0, i0 + leave, k.dtype) for s in self.stores] if leave else None
+                out_k = k[:, :, :direct] if not leave else torch.cat([old[0], k[:, :, :direct]], 2)
+                out_v = v[:, :, :direct] if not leave else torch.cat([old[1], v[:, :, :direct]], 2)
+                out = (out_k, out_v)
         self.low += leave
         fresh = n - direct
         if direct:  # the whole window aged out: start over at index 0, in new buffers if any were read

@@ -155,6 +155,29 @@ class TokenStore:
 
     # ------------------------------------------------------------------------------------ data
 
+    def write_from(self, index: int, src: Operand, i0: int, i1: int, via: torch.dtype) -> None:
+        """Buffer indices ``[i0, i1)`` of another store's operand ``src`` into indices ``[index,
+        index + i1 - i0)``: as :meth:`write` of ``src.read(i0, i1, via)``, in one op."""
+        if self.codes.is_meta:
+            return
+        ops.transcode(
+            (src.codes, src.scale, src.zero, src.fmt, src.group, src.axis),
+            i0,
+            i1,
+            (
+                self.codes,
+                self.scale if self.scale is not None else self.static_scale,
+                self.zero,
+                self.fmt,
+                self.group_size,
+                self.axis,
+                self.static_scale is not None,
+            ),
+            index,
+            via=via,
+            head_dim=self.head_dim,
+        )
+
     def write(self, index: int, x: torch.Tensor) -> None:
         """Quantize ``x[B, H, n, D]`` into buffer indices ``[index, index + n)`` (block aligned)."""
         if self.codes.is_meta:  # byte prediction (kvquant.memory): shapes only, nothing to compute
