@@ -236,9 +236,33 @@ def kvquant_attention_forward(
 
 
 def register() -> None:
-    """Register the ``kvquant`` attention and mask functions with transformers (idempotent)."""
+    """Register the ``kvquant`` attention and mask functions with transformers (idempotent), and
+    have a model that would never run it refused when it is loaded with
+    ``attn_implementation="kvquant"`` (see :func:`check_dispatches_attention`)."""
     AttentionInterface.register(ATTENTION_NAME, kvquant_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    _refuse_at_load()
+
+
+def _refuse_at_load() -> None:
+    """Wrap ``PreTrainedModel.get_correct_attn_implementation`` (where transformers validates the
+    requested attention, in ``from_pretrained`` / ``from_config`` / ``set_attn_implementation``,
+    before the layers are built) so that ``"kvquant"`` on a model whose modeling code picks its
+    attention classes itself raises :func:`check_dispatches_attention`'s ``ValueError`` instead of
+    that code's ``KeyError: 'kvquant'`` (Falcon) or a silent no-op (models with one attention)."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_kvquant_checked", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        if requested_attention == ATTENTION_NAME:
+            check_dispatches_attention(self)
+        return original(self, requested_attention, is_init_check)
+
+    get_correct_attn_implementation._kvquant_checked = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 def enable(model: torch.nn.Module) -> torch.nn.Module:
@@ -256,15 +280,21 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
 
 def check_dispatches_attention(model: torch.nn.Module) -> None:
     """``ValueError`` naming the architecture when its modeling code does not call attention through
-    transformers' ``AttentionInterface`` (it picks eager / sdpa / flash itself, e.g. Falcon): the
-    ``kvquant`` attention would never run there. A ``KVQuantCache`` still works with such a model's
-    own attention (it hands it dequantized tensors)."""
+    transformers' ``AttentionInterface`` (it picks eager / sdpa / flash classes itself, e.g. Falcon,
+    GPT-Neo, or has one attention, e.g. Bloom, MPT): the ``kvquant`` attention would never run there.
+    A model dispatches when its modeling module looks attention up in ``ALL_ATTENTION_FUNCTIONS`` or
+    its class declares ``_supports_attention_backend`` (composite models, e.g. Llava, whose
+    language model does the lookup). A ``KVQuantCache`` still works with such a model's own
+    attention (it hands it dequantized tensors)."""
     import sys
 
     module = sys.modules.get(type(model).__module__)
+    if getattr(type(model), "_supports_attention_backend", False):
+        return
     if module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS"):
         arch = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise ValueError(
             f"model: {arch} does not dispatch attention through transformers' AttentionInterface, so "
-            "the kvquant attention cannot run in it; use KVQuantCache with the model's own attention"
+            "the kvquant attention cannot run in it; use KVQuantCache with the model's own attention "
+            '(load it without attn_implementation="kvquant")'
         )

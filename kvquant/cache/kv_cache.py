@@ -16,13 +16,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer, get_layer_types_and_kwargs
 
 from kvquant.cache.layer import QuantizedKVLayer, make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.kernels import ops
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
+SUPPORTED_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "linear_attention",
+    "conv",
+    "dummy",
+)
+# layers without per-token keys and values (Mamba, gated DeltaNet, short convolutions: Qwen3-Next,
+# Jamba, LFM2): a state of fixed size, kept as transformers keeps it, in full precision
+_STATE_LAYER_TYPES = ("linear_attention", "conv")
+_HYBRID_REASON = (
+    " (a 'hybrid' layer runs attention and a recurrent state side by side in one cache layer, as "
+    "Falcon-H1 and Zamba do; KVQuantCache has no layer holding both)"
+)
 
 
 def load_static_scales(path: str | Path) -> dict[str, torch.Tensor]:
@@ -38,20 +52,14 @@ def load_static_scales(path: str | Path) -> dict[str, torch.Tensor]:
     return data
 
 
-def _check_one_head_size(config: Any) -> None:
-    """Refuse multi-head latent attention (DeepSeek-V2 / V3, Kimi: keys of ``qk_nope + qk_rope``
-    channels, values of ``v_head_dim``): the stores, the decode kernels and the segments hold keys
-    and values of one head size per layer, and such models are better served by caching their
-    compressed latent, which this cache does not do."""
-    k_dim = getattr(config, "qk_head_dim", None) or (
-        (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
-    )
-    v_dim = getattr(config, "v_head_dim", None)
-    if k_dim and v_dim and k_dim != v_dim:
-        raise ValueError(
-            f"config: {getattr(config, 'model_type', '?')} uses multi-head latent attention (key head_dim "
-            f"{k_dim}, value head_dim {v_dim}); KVQuantCache stores keys and values of one head size"
-        )
+def caches_latent(config: Any) -> bool:
+    """Whether the model caches a compressed latent rather than per-head keys and values: multi-head
+    latent attention (DeepSeek-V2 / V3, Kimi, GLM-4-MoE-Lite, ...: ``kv_lora_rank`` in the config).
+    Such a model stores ``(latent [B, 1, T, kv_lora_rank], k_rope [B, 1, T, qk_rope_head_dim])`` and
+    expands what the cache returns into keys and values itself, so the cache hands back tensors (the
+    two streams, each of its own width, dequantized), never a view: the ``kvquant`` attention then
+    attends over the expanded keys and values like ``sdpa``."""
+    return bool(getattr(config, "kv_lora_rank", None))
 
 
 class KVQuantCache(Cache):
@@ -95,8 +103,8 @@ class KVQuantCache(Cache):
             raise ValueError(f"initial_capacity: expected an integer >= 1, got {initial_capacity!r}")
         self.quant_config = KVQuantConfig.resolve(quant)
         decoder_config = model_config.get_text_config(decoder=True)
-        _check_one_head_size(decoder_config)
         self._decoder_config = decoder_config
+        self._latent = caches_latent(decoder_config)
         self.fused = fused
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
         num_layers = len(layer_types)
@@ -119,11 +127,17 @@ class KVQuantCache(Cache):
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
             if layer_type not in SUPPORTED_LAYER_TYPES:
+                arch = getattr(decoder_config, "model_type", "?")
                 raise ValueError(
-                    f"layer_types: layer {i} is {layer_type!r}; KVQuantCache supports {', '.join(SUPPORTED_LAYER_TYPES)}"
+                    f"layer_types: {arch} layer {i} is {layer_type!r}; KVQuantCache supports "
+                    f"{', '.join(SUPPORTED_LAYER_TYPES)}"
+                    + (_HYBRID_REASON if layer_type.startswith("hybrid") else "")
                 )
             if layer_type == "dummy":
                 layers.append(DummyLayer())
+                continue
+            if layer_type in _STATE_LAYER_TYPES:
+                layers.append(LinearAttentionLayer(**kwargs))
                 continue
             static = None if scales is None else (scales["keys"][i], scales["values"][i])
             layers.append(
@@ -138,6 +152,8 @@ class KVQuantCache(Cache):
 
     def uses_views(self) -> bool:
         """Whether ``update`` hands out store views (the ``kvquant`` attention is active)."""
+        if self._latent:  # the model post-processes what the cache returns
+            return False
         if self.fused is not None:
             return self.fused
         return getattr(self._decoder_config, "_attn_implementation", None) == "kvquant"

@@ -91,23 +91,27 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
+        dv = value_states.shape[3]
         cfg = self.config
         self.device, self.dtype, self.head_dim, self.kv_heads = key_states.device, key_states.dtype, d, h
-        kg, vg = cfg.group_sizes(d)
+        self.value_head_dim = dv
+        kg, vg = cfg.group_sizes(d)[0], cfg.group_sizes(dv)[1]
         sdt = cfg.torch_scale_dtype
         sk, sv = self.static_scales if self.static_scales is not None else (None, None)
         self.main = QuantizedSegment(
             TokenStore(cfg.key_format, kg, cfg.key_axis, sdt, sk),
             TokenStore(cfg.value_format, vg, "token", sdt, sv),
         )
-        self.main.allocate(b, h, d, self.initial_capacity, self.dtype, self.device)
+        self.main.allocate(b, h, d, self.initial_capacity, self.dtype, self.device, dv)
         if cfg.recent_length:
             self.recent = QuantizedSegment(
                 TokenStore(cfg.recent_key_format, kg, "token", sdt),
                 TokenStore(cfg.recent_value_format, vg, "token", sdt),
                 limit=cfg.recent_length,
             )
-            self.recent.allocate(b, h, d, 2 * min(cfg.recent_length, UPFRONT_TOKENS), self.dtype, self.device)
+            self.recent.allocate(
+                b, h, d, 2 * min(cfg.recent_length, UPFRONT_TOKENS), self.dtype, self.device, dv
+            )
         self.tail.allocate(key_states, value_states)
         if self.sinks is not None:
             self.sinks.allocate(key_states, value_states)
@@ -117,6 +121,31 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._clear()
+
+    # transformers reads ``layer.keys`` / ``layer.values`` where a layer is written once and read at
+    # every step without an update: T5 / BART / Whisper cross-attention inside an EncoderDecoderCache
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Dequantized keys ``[B, H, n, D]`` of every position the next call attends to (None before
+        the first update). A full read of the store: for callers that bypass :meth:`update`."""
+        return self.read_history()[0] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value: None) -> None:  # CacheLayerMixin.__init__ and reset set it to None
+        if value is not None:
+            raise AttributeError("keys: a QuantizedKVLayer stores keys through update(), not by assignment")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Dequantized values ``[B, H, n, D]``, as :attr:`keys`."""
+        return self.read_history()[1] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value: None) -> None:
+        if value is not None:
+            raise AttributeError(
+                "values: a QuantizedKVLayer stores values through update(), not by assignment"
+            )
 
     @property
     def tiers(self) -> list[QuantizedSegment]:
@@ -165,7 +194,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs") or {}
         position_ids = model_kwargs.get("position_ids")
-        if self.return_view:
+        if self.return_view and self.head_dim == self.value_head_dim:  # (the fused decode: one head size)
             view = self.view(key_states, value_states)
             self.append(key_states, value_states, position_ids)
             return view, view
@@ -195,22 +224,24 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"value_states: {tuple(v.shape)} {v.dtype} on {v.device} does not match key_states "
                 f"{tuple(k.shape)} {k.dtype} on {k.device} in batch, heads, tokens, dtype and device"
             )
-        if k.shape[3] != v.shape[3]:
-            raise ValueError(
-                f"value_states: head_dim {v.shape[3]} differs from the keys' {k.shape[3]}; KVQuantCache stores "
-                "keys and values of one head size (multi-head latent attention, e.g. DeepSeek-V3, is not supported)"
-            )
         if k.shape[2] == 0:
             raise ValueError("key_states: an update needs at least one token, got 0")
         if self.is_initialized:
-            held = (self.batch_size, self.kv_heads, self.head_dim, self.dtype, self.device)
-            got = (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
-            for field, want, have in zip(
-                ("batch", "kv_heads", "head_dim", "dtype", "device"), held, got, strict=True
-            ):
+            held = (
+                self.batch_size,
+                self.kv_heads,
+                self.head_dim,
+                self.value_head_dim,
+                self.dtype,
+                self.device,
+            )
+            got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
+            fields = ("batch", "kv_heads", "head_dim", "head_dim", "dtype", "device")
+            names = ("key_states",) * 3 + ("value_states",) + ("key_states",) * 2
+            for name, field, want, have in zip(names, fields, held, got, strict=True):
                 if want != have:
                     raise ValueError(
-                        f"key_states: {field} {have} but this layer holds {want} (from its first update); "
+                        f"{name}: {field} {have} but this layer holds {want} (from its first update); "
                         "reset the cache (or reorder / select / repeat it) before changing it"
                     )
         ops.check_finite(k, v)
@@ -441,7 +472,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         b, h, _, d = self.tail.k.shape
-        return self.held_tokens() * b * h * d * 2 * 2
+        return self.held_tokens() * b * h * (d + self.tail.v.shape[3]) * 2
 
 
 class SlidingKVLayer(QuantizedKVLayer):

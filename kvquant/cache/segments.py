@@ -165,9 +165,13 @@ class QuantizedSegment:
     def block(self) -> int:
         return self.k_store.block
 
-    def allocate(self, b: int, h: int, d: int, capacity: int, dtype: torch.dtype, device) -> None:
-        for store in self.stores:
-            store.allocate(b, h, d, capacity, dtype, device)
+    def allocate(
+        self, b: int, h: int, d: int, capacity: int, dtype: torch.dtype, device, d_v: int | None = None
+    ) -> None:
+        """Empty buffers for ``capacity`` tokens; keys of ``d`` channels, values of ``d_v`` (default
+        ``d``: they differ in a latent cache, e.g. DeepSeek's compressed KV and its RoPE part)."""
+        for store, dim in zip(self.stores, (d, d if d_v is None else d_v), strict=True):
+            store.allocate(b, h, dim, capacity, dtype, device)
 
     def __len__(self) -> int:
         return self.end - self.begin

@@ -40,7 +40,6 @@ def _kv(b=1, h=2, n=3, d=16, dtype=torch.float32, seed=0):
             ValueError,
             "does not match",
         ),
-        (torch.zeros(1, 2, 3, 24), torch.zeros(1, 2, 3, 16), ValueError, "multi-head latent attention"),
         ([[0.0]], torch.zeros(1, 2, 3, 16), TypeError, "key_states: expected a torch.Tensor"),
     ],
 )
@@ -68,6 +67,18 @@ def test_a_later_update_must_match_the_first(kw, message):
     with pytest.raises(ValueError, match=message):
         cache.update(*_kv(n=1, **kw), 0)
     assert cache.get_seq_length(0) == 3
+
+
+def test_keys_and_values_of_different_widths_are_stored_each_at_its_own():
+    # a latent cache (DeepSeek MLA): the compressed KV as keys, the RoPE key part as values
+    cache = KVQuantCache(CFG, "int8")
+    k, v = torch.randn(1, 1, 5, 32), torch.randn(1, 1, 5, 8)
+    hk, hv = cache.update(k, v, 0)
+    assert hk.shape == (1, 1, 5, 32) and hv.shape == (1, 1, 5, 8)
+    hk, hv = cache.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 8), 0)
+    assert torch.allclose(hk[:, :, :5], k, atol=0.05) and torch.allclose(hv[:, :, :5], v, atol=0.05)
+    with pytest.raises(ValueError, match="value_states: head_dim 16 but this layer holds 8"):
+        cache.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 16), 0)
 
 
 @pytest.mark.parametrize("layer_idx", [2, -1, 7, "0", True])
@@ -137,17 +148,3 @@ def test_a_huge_residual_or_recent_window_grows_as_tokens_come():
     for i in range(5):
         cache.update(*_kv(n=1, seed=i + 1), 0)
     assert cache.get_seq_length(0) == 45 and cache.reserved_bytes() < 1e6
-
-
-def test_multi_head_latent_attention_is_refused_at_construction():
-    from transformers import DeepseekV3Config
-
-    cfg = DeepseekV3Config(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=None,
-    )  # fmt: skip
-    with pytest.raises(
-        ValueError,
-        match=r"deepseek_v3 uses multi-head latent attention \(key head_dim 24, value head_dim 16\)",
-    ):
-        KVQuantCache(cfg, "none")
