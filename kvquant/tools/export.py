@@ -145,9 +145,10 @@ def write_export(
         written += [SCALES_FILE, FRAGMENT_FILE]
     else:
         model.save_pretrained(str(folder), safe_serialization=True)
+        written += _add_to_checkpoint(folder, tensors)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(folder))
-        written += _add_to_checkpoint(folder, tensors)
+            written.append("the tokenizer")
         config_path = folder / "config.json"
         config = json.loads(config_path.read_text())
         config["quantization_config"] = qcfg
