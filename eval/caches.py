@@ -7,6 +7,11 @@ A cache spec is a string:
 ``hf-quanto-int4``     transformers' ``QuantizedCache(backend="quanto", nbits=4)`` (also ``-int2``)
 ``hf-hqq-int4``        ``QuantizedCache(backend="hqq", nbits=4)`` (also ``-int2``; needs ``hqq``)
 ``hf-fp8``             ``QuantizedCache(backend="fp8")``: per-tensor float8_e4m3 (transformers >= 5.24)
+``engine-fp8:PATH``    what a serving engine stores with the static fp8 KV scales of a compressed-tensors
+                       checkpoint (a folder or ``.safetensors`` file, e.g. ``kvquant export vllm``): fp8
+                       e4m3 codes of ``x / scale`` (fp32 scales, per tensor or per KV head), no sinks, no
+                       full-precision window; every query reads every key / value as stored, its own
+                       token included, as vLLM's paged attention reads its cache
 ``presets`` / ``peers`` / ``all``   every kvquant preset / every installed peer / dynamic+peers+presets
 
 From Python, :meth:`CacheSpec.custom` wraps any cache factory (e.g. your own ``Cache`` subclass).
@@ -109,6 +114,8 @@ class CacheSpec:
         if self.kind == "dynamic":
             return DynamicCache(config=config)
         if self.kind == "kvquant":
+            if self.settings.get("reads") == "stored":
+                return engine_cache(config, self.quant)
             return KVQuantCache(config, self.quant)
         if self.kind == "custom":
             return self.factory(model)
@@ -117,7 +124,60 @@ class CacheSpec:
         return QuantizedCache(backend=self.backend, config=config, nbits=self.nbits)
 
 
+ENGINE_PREFIX = "engine-fp8:"
+
+
+def engine_config(path: str | Path) -> KVQuantConfig:
+    """The cache config of ``engine-fp8:PATH``: fp8 e4m3 keys and values with the checkpoint's static
+    scales in fp32 (exactly the scale the engine divides by), no sinks, no full-precision tokens."""
+    path = str(Path(path).expanduser().resolve())
+    return KVQuantConfig(
+        key_format="fp8_e4m3",
+        value_format="fp8_e4m3",
+        scale_dtype="float32",
+        static_scales=path,
+        name=f"{ENGINE_PREFIX}{path}",
+    )
+
+
+def engine_cache(config: Any, quant: KVQuantConfig) -> Any:
+    """A :class:`~kvquant.KVQuantCache` of ``quant`` whose ``update`` returns every key / value as
+    stored, the call's own tokens included (the prefill too): what an engine's attention reads back
+    from its paged fp8 cache. (A plain KVQuantCache hands each call its own new tokens in full
+    precision, as transformers' caches do.)"""
+    from kvquant import KVQuantCache
+
+    cache = KVQuantCache(config, quant, fused=False)
+    original: Callable = cache.update
+
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
+        original(key_states, value_states, layer_idx, *args, **kwargs)
+        return cache.layers[layer_idx].read_history()
+
+    cache.update = update
+    return cache
+
+
+def _engine_spec(spec: str) -> CacheSpec:
+    path = spec[len(ENGINE_PREFIX) :]
+    if not path:
+        raise EvalError(
+            f"cache {spec!r}: give the checkpoint folder or .safetensors file after {ENGINE_PREFIX!r}"
+        )
+    if not Path(path).expanduser().exists():
+        raise EvalError(f"cache {spec!r}: no such checkpoint folder or file {path!r}")
+    quant = engine_config(path)
+    try:
+        check_static_scales(quant)
+    except ValueError as exc:
+        raise EvalError(f"cache {spec!r}: {exc}") from None
+    settings = {"class": "KVQuantCache", "reads": "stored", **quant.to_dict()}
+    return CacheSpec(quant.name, "kvquant", quant=quant, settings=settings)
+
+
 def _one_spec(spec: str) -> CacheSpec:
+    if spec.startswith(ENGINE_PREFIX):
+        return _engine_spec(spec)
     if spec == "dynamic":
         return CacheSpec("dynamic", "dynamic", settings={"class": "DynamicCache"})
     if spec in _PEERS:
@@ -132,7 +192,12 @@ def _one_spec(spec: str) -> CacheSpec:
     try:
         quant = KVQuantConfig.resolve(spec)
     except ValueError as exc:
-        allowed = "dynamic, " + ", ".join(_PEERS) + ", presets, peers, all, " + ", ".join(preset_names())
+        allowed = (
+            "dynamic, "
+            + ", ".join(_PEERS)
+            + f", {ENGINE_PREFIX}PATH, presets, peers, all, "
+            + ", ".join(preset_names())
+        )
         if spec.endswith((".yaml", ".yml")) or "/" in spec:
             raise EvalError(f"cache {spec!r}: {' '.join(str(exc).split())}") from None
         raise EvalError(
@@ -154,9 +219,11 @@ def check_static_scales(quant: KVQuantConfig) -> None:
     if path is None:
         return
     from kvquant.cache import load_static_scales
+    from kvquant.engine_scales import is_scales_checkpoint
 
-    if Path(path).expanduser().is_dir():
-        raise ValueError(f"static_scales: {str(path)!r} is a folder, not a calibration file")
+    if is_scales_checkpoint(path):
+        load_static_scales(path)  # ValueError naming what is missing
+        return
     try:
         scales = load_static_scales(Path(path).expanduser())
     except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as exc:

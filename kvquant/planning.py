@@ -185,12 +185,12 @@ def estimate_parameters(config: Any) -> int:
 class _KVModel:
     """Per-layer geometry of a decoder's cache, grouped into identical (layer config, window) groups."""
 
-    def __init__(self, config: Any, quant: KVQuantConfig, fp_itemsize: int):
+    def __init__(self, config: Any, quant: KVQuantConfig, fp_itemsize: int, heads: int | None = None):
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         text = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text)
-        self.heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.heads = heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.head_dim = _head_dim(text)
         self.fp_itemsize = fp_itemsize
         n = len(types)
@@ -288,6 +288,48 @@ def max_batch(kv: _KVModel, available: int, context: int) -> int:
     return int(b)
 
 
+# ------------------------------------------------------------------------------------------ tensor parallel
+
+
+def tp_split(config: Any, tp: int) -> dict[str, int]:
+    """How ``tp`` devices split a decoder's attention heads, as vLLM does it (``LlamaAttention`` in
+    vllm/model_executor/models/llama.py, and the other models alike): the query heads must divide by
+    ``tp``; KV heads are partitioned when there are at least ``tp`` of them (they must divide by
+    ``tp``) and replicated when there are fewer (``tp`` must be a multiple of them): each device then
+    holds ``max(1, kv_heads // tp)`` KV heads, each KV head on ``tp // kv_heads`` devices. Other
+    splits are refused (``PlanError``), as vLLM refuses them.
+
+    Example:
+        >>> from kvquant.models import tiny_config
+        >>> tp_split(tiny_config("llama", num_attention_heads=8, num_key_value_heads=2), 4)["kv_heads_per_device"]
+        1
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise PlanError(f"tp: expected an integer >= 1, got {tp!r}")
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise PlanError(f"tp: {tp} devices do not divide the model's {heads} attention heads")
+    if kv >= tp and kv % tp:
+        raise PlanError(
+            f"tp: {tp} devices do not divide the model's {kv} KV heads (engines partition KV heads "
+            f"when tp <= {kv}, so it must divide them)"
+        )
+    if kv < tp and tp % kv:
+        raise PlanError(
+            f"tp: {tp} is not a multiple of the model's {kv} KV heads (engines replicate KV heads "
+            f"when tp > {kv}, so it must be a multiple)"
+        )
+    return {
+        "tp": tp,
+        "kv_heads": kv,
+        "kv_heads_per_device": max(1, kv // tp),
+        "kv_replication": max(1, tp // kv),
+        "attention_heads_per_device": heads // tp,
+    }
+
+
 # ------------------------------------------------------------------------------------------ the plan
 
 
@@ -296,17 +338,19 @@ def budget(
     memory_bytes: int,
     weights_dtype: str | float = "bf16",
     reserve: str | int = DEFAULT_RESERVE,
+    tp: int = 1,
 ) -> dict[str, Any]:
-    """Weights, reserve and what remains for the KV cache."""
+    """Weights, reserve and what remains for the KV cache, on one of ``tp`` devices (the weights
+    split evenly over them: an estimate, replicated norms and KV projections are not counted twice)."""
     memory_bytes = parse_size(memory_bytes, "memory")
     params = estimate_parameters(config)
-    wbytes = int(math.ceil(params * dtype_bytes(weights_dtype, "weights_dtype")))
+    wbytes = int(math.ceil(params * dtype_bytes(weights_dtype, "weights_dtype") / tp))
     rbytes = parse_reserve(reserve, memory_bytes)
     available = memory_bytes - wbytes - rbytes
     if available <= 0:
         raise PlanError(
             f"memory: {human_bytes(memory_bytes)} does not hold the weights ({human_bytes(wbytes)}, {params:,} params "
-            f"at {weights_dtype}) plus the reserve ({human_bytes(rbytes)})"
+            f"at {weights_dtype}{f' over {tp} devices' if tp > 1 else ''}) plus the reserve ({human_bytes(rbytes)})"
         )
     text = config.get_text_config(decoder=True)
     return {
@@ -330,8 +374,15 @@ def plan(
     kv_dtype: str | int = "bf16",
     reserve: str | int = DEFAULT_RESERVE,
     presets: list[str | KVQuantConfig] | None = None,
+    tp: int = 1,
 ) -> list[dict[str, Any]]:
     """One row per preset plus a ``reference`` row (no quantization, ``kv_dtype``).
+
+    With ``tp`` devices (tensor parallel), ``memory_bytes`` is one device's memory and every byte
+    figure is per device: its share of the weights and the KV heads it holds (:func:`tp_split`);
+    max batch / max context are then those of the whole deployment (each sequence's KV is spread
+    over the devices the same way). Rows also carry ``tp``, ``kv_heads_per_device`` and
+    ``kv_replication``.
 
     Each row: ``config``, ``kv_bytes`` (one sequence at ``context``, exactly ``cache.nbytes()``),
     ``kv_bytes_peak`` (max over contexts up to ``context``), ``bytes_per_token``, ``effective_bits``,
@@ -346,7 +397,8 @@ def plan(
     if fp_itemsize != int(fp_itemsize):
         raise PlanError(f"kv_dtype: the cache keeps full-precision tokens in a float dtype, got {kv_dtype!r}")
     fp_itemsize = int(fp_itemsize)
-    money = budget(config, memory_bytes, weights_dtype, reserve)
+    split = tp_split(config, tp)
+    money = budget(config, memory_bytes, weights_dtype, reserve, tp)
     available = money["available_bytes"]
     limit_pos = money["max_position_embeddings"]
     names = list(preset_names()) if presets is None else list(presets)
@@ -362,7 +414,7 @@ def plan(
     configs.append(("reference", KVQuantConfig(key_format="none", value_format="none", name="reference")))
     rows = []
     for name, quant in configs:
-        kv = _KVModel(config, quant, fp_itemsize)
+        kv = _KVModel(config, quant, fp_itemsize, heads=split["kv_heads_per_device"])
         one = kv.bytes(context, 1)
         limit = limit_pos if limit_pos else max(context, batch) * 1024
         mctx = max_context(kv, available, batch, limit)
@@ -380,6 +432,7 @@ def plan(
                 "max_batch": max_batch(kv, available, context),
                 "max_context": mctx,
                 "max_context_capped": bool(limit_pos) and mctx == limit_pos,
+                **split,
                 **money,
             }
         )

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer, ge
 
 from kvquant.cache.layer import QuantizedKVLayer, make_layer
 from kvquant.config import KVQuantConfig
+from kvquant.engine_scales import is_scales_checkpoint, read_scales
 from kvquant.kernels import ops
 
 SUPPORTED_LAYER_TYPES = (
@@ -40,8 +41,12 @@ _HYBRID_REASON = (
 
 
 def load_static_scales(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a calibration file (``kvquant calibrate``): ``{"keys": [L, H], "values": [L, H]}``."""
+    """Read a calibration file (``kvquant calibrate``): ``{"keys": [L, H], "values": [L, H]}``; or
+    the fp8 KV scales of a compressed-tensors checkpoint (a folder or ``.safetensors`` file, e.g. from
+    ``kvquant export``: see :mod:`kvquant.engine_scales`), ``[L, 1]`` when every scale is per tensor."""
     path = Path(path)
+    if is_scales_checkpoint(path):
+        return read_scales(path)
     if not path.is_file():
         raise ValueError(f"static_scales: no such calibration file {str(path)!r}")
     data = torch.load(path, map_location="cpu", weights_only=True)
@@ -113,6 +118,8 @@ class KVQuantCache(Cache):
             scales = load_static_scales(self.quant_config.static_scales)
             heads = getattr(decoder_config, "num_key_value_heads", None) or decoder_config.num_attention_heads
             for part in ("keys", "values"):
+                if scales[part].dim() == 2 and tuple(scales[part].shape) == (num_layers, 1):
+                    scales[part] = scales[part].expand(num_layers, heads)  # one scale per layer
                 if tuple(scales[part].shape) != (num_layers, heads):
                     raise ValueError(
                         f"static_scales: {part} of shape {tuple(scales[part].shape)} in the file; the model "

@@ -30,6 +30,7 @@ from kvquant.planning import (
     parse_reserve,
     parse_size,
     plan,
+    tp_split,
 )
 
 __all__ = [
@@ -46,25 +47,41 @@ __all__ = [
     "parse_reserve",
     "parse_size",
     "plan",
+    "tp_split",
 ]
 
 
 def format_table(rows: list[dict[str, Any]], model: str = "") -> str:
     """The plan as a markdown table, with the budget stated above it."""
     r0 = rows[0]
+    tp = r0.get("tp", 1)
+    per = " per device" if tp > 1 else ""
     head = [
         f"model: {model}  ({r0['parameters']:,} parameters, max_position_embeddings "
         f"{r0['max_position_embeddings']})",
-        f"memory {human_bytes(r0['memory_bytes'])} = weights {human_bytes(r0['weights_bytes'])} ({r0['weights_dtype']}) "
+        f"memory{per} {human_bytes(r0['memory_bytes'])} = weights {human_bytes(r0['weights_bytes'])} ({r0['weights_dtype']}) "
         f"+ activation reserve {human_bytes(r0['reserve_bytes'])} ({r0['reserve']}) "
         f"+ KV budget {human_bytes(r0['available_bytes'])}",
         "",
-        f"| config | KV bytes / seq @ {r0['context']} | bytes / token | bits / elem "
+        f"| config | KV bytes / seq{per} @ {r0['context']} | bytes / token{per} | bits / elem "
         f"| max batch @ {r0['context']} | max context @ batch {r0['batch']} |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     capped = False
     mpe = r0["max_position_embeddings"]
+    if tp > 1:
+        rep = r0["kv_replication"]
+        head.insert(
+            2,
+            f"tensor parallel over {tp} devices: {r0['kv_heads_per_device']} of {r0['kv_heads']} KV heads "
+            f"per device"
+            + (
+                f" (each KV head replicated on {rep} devices, as engines do when tp > KV heads)"
+                if rep > 1
+                else ""
+            )
+            + "; weights split evenly (estimate); max batch / context are the deployment's",
+        )
     if mpe and r0["context"] > mpe:
         head.insert(
             2, f"warning: context {r0['context']} exceeds the model's max_position_embeddings ({mpe})"

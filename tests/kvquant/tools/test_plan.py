@@ -18,6 +18,7 @@ from kvquant.planning import (
     parse_reserve,
     parse_size,
     plan,
+    tp_split,
 )
 from kvquant.tools.cli import main
 from kvquant.tools.plan import format_table
@@ -234,3 +235,78 @@ def test_cli_errors_exit_2(capsys, config_json, argv, flag):
     rc, out, err = _cli(capsys, *[x for kv in base.items() for x in kv])
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith(f"kvquant plan: error: {flag}:")
+
+
+# ------------------------------------------------------------------------------------------ --tp
+
+
+@pytest.mark.parametrize(
+    "heads,kv,tp,per_device,replication",
+    [(4, 2, 1, 2, 1), (4, 2, 2, 1, 1), (8, 2, 4, 1, 2), (8, 2, 8, 1, 4), (8, 8, 4, 2, 1)],
+)
+def test_tp_split_partitions_or_replicates_kv_heads(heads, kv, tp, per_device, replication):
+    cfg = tiny_config(
+        "llama", num_attention_heads=heads, num_key_value_heads=kv, head_dim=16, hidden_size=16 * heads
+    )
+    split = tp_split(cfg, tp)
+    assert (split["kv_heads_per_device"], split["kv_replication"]) == (per_device, replication)
+    # every KV head is held somewhere, and each as many times as it is replicated
+    assert per_device * tp == kv * replication
+
+
+@pytest.mark.parametrize(
+    "heads,kv,tp,text",
+    [
+        (4, 2, 3, "attention heads"),
+        (12, 6, 4, "do not divide the model's 6 KV heads"),
+        (12, 4, 6, "multiple"),
+    ],
+)
+def test_tp_split_refuses_what_engines_refuse(heads, kv, tp, text):
+    cfg = tiny_config(
+        "llama", num_attention_heads=heads, num_key_value_heads=kv, head_dim=16, hidden_size=16 * heads
+    )
+    with pytest.raises(PlanError, match=text):
+        tp_split(cfg, tp)
+
+
+@pytest.mark.parametrize("heads,kv,tp", [(4, 4, 2), (8, 2, 4)])
+def test_plan_per_device_bytes(heads, kv, tp):
+    """KV bytes per device are those of the KV heads one device holds (a one-device plan of a model
+    with that many KV heads, for every preset); the weights split over the devices."""
+    cfg = tiny_config(
+        "llama", num_attention_heads=heads, num_key_value_heads=kv, head_dim=16, hidden_size=16 * heads
+    )
+    held = max(1, kv // tp)
+    one = tiny_config(
+        "llama", num_attention_heads=heads, num_key_value_heads=held, head_dim=16, hidden_size=16 * heads
+    )
+    kw = dict(weights_dtype="fp32", reserve="0%")
+    rows = plan(cfg, "1GiB", 300, tp=tp, **kw)
+    ref, single = plan(one, "1GiB", 300, **kw), plan(cfg, "1GiB", 300, **kw)
+    for r, q, s in zip(rows, ref, single, strict=True):
+        assert r["config"] == q["config"] == s["config"]
+        assert r["kv_bytes"] == q["kv_bytes"], r["config"]
+        assert r["kv_bytes"] * kv == s["kv_bytes"] * held, r["config"]
+        assert (r["tp"], r["kv_heads_per_device"]) == (tp, held)
+        assert r["max_batch"] >= s["max_batch"]
+    assert rows[0]["weights_bytes"] == -(-estimate_parameters(cfg) * 4 // tp)
+
+
+def test_cli_tp_table_says_per_device_and_replication(capsys, tmp_path):
+    tiny_config(
+        "llama", num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=128
+    ).save_pretrained(tmp_path)
+    rc, out, err = _cli(
+        capsys, "--model", str(tmp_path / "config.json"), "--memory", "1GiB", "--context", "64", "--tp", "4"
+    )
+    assert rc == 0, err
+    assert "memory per device" in out and "1 of 2 KV heads per device" in out
+    assert "replicated on 2 devices" in out and "KV bytes / seq per device" in out
+
+
+@pytest.mark.parametrize("tp,text", [("0", "--tp: expected an integer >= 1"), ("3", "--tp: 3 devices")])
+def test_cli_bad_tp_exit_2(capsys, config_json, tp, text):
+    rc, out, err = _cli(capsys, "--model", config_json, "--memory", "1GiB", "--context", "64", "--tp", tp)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"kvquant plan: error: {text}"), err
