@@ -124,17 +124,20 @@ def _cached_operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
     function of the key (format, and each buffer's address, shape, strides and dtype; the tables
     are the format's own, built once), so an entry stays right even if a freed buffer's address is
     reused by another of the same layout. Buffers that need a contiguous copy are not memoised."""
-    if not (_in_place(codes) and _in_place(scale) and _in_place(zero)):
-        return _operand(codes, scale, zero, fmt, group, axis, keep)
-    key = (fmt, group, axis) + tuple(
-        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (codes, scale, zero)
-    )
+    key = (fmt, group, axis, _layout(codes), _layout(scale), _layout(zero))
     op = _OPERANDS.get(key)
     if op is None:
+        if not (_in_place(codes) and _in_place(scale) and _in_place(zero)):  # (a function of the key)
+            return _operand(codes, scale, zero, fmt, group, axis, keep)
         if len(_OPERANDS) >= _OPERANDS_MAX:
             _OPERANDS.clear()
         op = _OPERANDS[key] = _operand(codes, scale, zero, fmt, group, axis, [])
     return op
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """A buffer's address, shape, strides and dtype: what a described operand or write depends on."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 # below this many (row, head, token) triples a second thread costs more than it saves
@@ -240,9 +243,9 @@ def decode_attention_native(
         vs = [_cached_operand(*s.tensors()[3:], s.v_fmt, s.v_group, "token", keep) for s in extra]
         xk, xv = (_Operand * n_x)(*ks), (_Operand * n_x)(*vs)
         starts = torch.cat([s.start.to(torch.int64).reshape(b) for s in extra])  # [n_x * B]
-        ends = torch.tensor([s.end for s in extra], dtype=torch.int64)
+        ends = (ctypes.c_int64 * n_x)(*(s.end for s in extra))
         keep += [starts, ends]
-        xstart, xend = starts.data_ptr(), ends.data_ptr()
+        xstart, xend = starts.data_ptr(), ctypes.addressof(ends)
     rc = lib.kvq_decode(
         qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), start.data_ptr(),
         end, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
@@ -323,9 +326,7 @@ def _cached_writer(codes, scale, zero, fmt: str) -> _Writer:
     """:func:`_writer_of`, memoised as :func:`_cached_operand` is: a pure function of the format and
     each buffer's address, shape, strides and dtype (a store writes into the same buffers step after
     step)."""
-    key = (fmt,) + tuple(
-        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (codes, scale, zero)
-    )
+    key = (fmt, _layout(codes), _layout(scale), _layout(zero))
     w = _WRITERS.get(key)
     if w is None:
         if len(_WRITERS) >= _OPERANDS_MAX:
