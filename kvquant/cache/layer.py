@@ -30,6 +30,13 @@ from kvquant.transforms import KeyTransform
 _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a layer stores
 
 
+@functools.lru_cache(maxsize=256)
+def _same_start(b: int, index: int, device: torch.device) -> torch.Tensor:
+    """``[b]`` int64 filled with ``index``: a read's start when no row is padded (read-only: shared
+    by every layer and step that asks for the same value)."""
+    return torch.full((b,), index, dtype=torch.long, device=device)
+
+
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """``parts`` concatenated on the token axis, always a copy of the cache's own buffers (the tail
     shifts at the next append); the call's tokens (the last part) alone are used as they are."""
@@ -79,6 +86,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _clear(self) -> None:
         cfg = self.config
         self.is_initialized = False
+        self._accepted = None  # the layout of the last states _check_states took in full
         self.keys = self.values = None
         self.seq_len = 0  # positions seen (what get_seq_length reports)
         self.main: QuantizedSegment | None = None
@@ -209,6 +217,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         and devices against each other and against what the layer holds (metadata only), and
         non-finite values as they enter (:func:`kvquant.kernels.ops.check_finite`: no host sync on
         CUDA)."""
+        key = None
+        if self.is_initialized and type(k) is torch.Tensor and type(v) is torch.Tensor:
+            key = (k.shape, v.shape, k.dtype, v.dtype, k.device, v.device, self.batch_size)
+            if key == self._accepted:  # a decode step like the last one: only the values to look at
+                ops.check_finite(k, v)
+                return
         for name, x in (("key_states", k), ("value_states", v)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
@@ -245,6 +259,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                         "reset the cache (or reorder / select / repeat it) before changing it"
                     )
         ops.check_finite(k, v)
+        self._accepted = key  # (the layout of states this initialized layer has taken)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail."""
@@ -336,12 +351,16 @@ class QuantizedKVLayer(CacheLayerMixin):
         """A :class:`~kvquant.cache.view.KVView` of the history before ``k, v`` are appended."""
         begin, store_end = self.history_begin(), self.store_end
         sinks = self.sinks is not None and self.sinks.held
-        first = self.pads + (self.sinks.n if sinks else 0)  # [B] first position neither padding nor sink
+        n_s = self.sinks.n if sinks else 0
+        first = None if self.pads_max == 0 else self.pads + n_s  # [B] first position neither padding nor sink
         reads, lo = [], begin
         for tier in self.tiers:
             p0, p1 = max(lo, tier.begin), tier.end
             if p1 > p0:
-                start = torch.clamp(first, min=p0) - tier.origin  # [B]
+                if first is None:  # no padding: one start for every row, a shared constant tensor
+                    start = _same_start(self.pads.shape[0], max(n_s, p0) - tier.origin, self.device)
+                else:
+                    start = torch.clamp(first, min=p0) - tier.origin  # [B]
                 reads.append(QuantizedRead(*tier.operands(), p0, p1, tier.origin, start))
             lo = max(lo, p1)
         tail_k, tail_v = self.tail.read(begin)  # views: the one copy is the cat below
