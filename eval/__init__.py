@@ -18,8 +18,9 @@ from kvquant.eval.caches import (
     theoretical_bits,
 )
 from kvquant.eval.config import EvalConfig, EvalError, config_names, load_config
-from kvquant.eval.decode import compare, simulated_logprobs, single_pass_logprobs, teacher_forced_logprobs
+from kvquant.eval.decode import simulated_logprobs, single_pass_logprobs, teacher_forced_logprobs
 from kvquant.eval.memory import PeakMemory, measure_memory
+from kvquant.eval.quality import compare
 from kvquant.eval.retrieval import passkey_accuracy
 from kvquant.eval.runner import EvalResult, run_eval
 from kvquant.eval.speed import measure_speed

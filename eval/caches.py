@@ -212,6 +212,15 @@ def _one_spec(spec: str) -> CacheSpec:
     )
 
 
+def resolve_spec(spec: str) -> CacheSpec:
+    """One cache spec (``dynamic``, a peer, a preset name or a YAML path; not a group), resolved.
+
+    Example:
+        >>> resolve_spec("int4").build(model)     # a fresh, empty KVQuantCache with the int4 preset
+    """
+    return _one_spec(str(spec).strip())
+
+
 def check_static_scales(quant: KVQuantConfig) -> None:
     """Read the calibration file of a config's ``static_scales`` (if any) now, before any slow work:
     ``ValueError`` naming the file when it is missing, unreadable or not a calibration file."""

@@ -18,7 +18,7 @@ Example:
     >>> ids = tok(text, return_tensors="pt").input_ids[:, :768]         # [1, P + N]
     >>> base = teacher_forced_logprobs(model, ids, 512, DynamicCache(config=model.config))
     >>> quant = teacher_forced_logprobs(model, ids, 512, KVQuantCache(model.config, "int8"))
-    >>> compare(base, quant, ids[0, 512:])["kl_mean"]
+    >>> compare(base, quant, ids[:, 512:])["kl_mean"]   # kvquant.eval.quality.compare
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvquant.eval.caches import simulate_quantization
 
@@ -77,27 +76,3 @@ def simulated_logprobs(model: Any, input_ids: torch.Tensor, prefix_len: int, cac
     cache = simulate_quantization(cache)
     logits = model(input_ids=input_ids.to(device), cache=cache, use_cache=True, logits_to_keep=keep).logits
     return logits[:, -keep:-1].float().log_softmax(-1).cpu()
-
-
-def compare(base: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-    """KL(base || test) per prediction (mean, p90, p99), top-1 agreement and both perplexities.
-
-    ``base``, ``test``: log-probabilities ``[B, N, V]``; ``targets``: the scored tokens ``[B, N]``.
-    """
-    kl = F.kl_div(test, base, log_target=True, reduction="none").sum(-1).flatten()  # [B*N]
-    kl = kl.clamp_min(0)
-    targets = targets.reshape(base.shape[:2]).to(base.device)
-    nll_base = -base.gather(-1, targets[..., None]).mean()
-    nll_test = -test.gather(-1, targets[..., None]).mean()
-    ppl_base, ppl_test = nll_base.exp().item(), nll_test.exp().item()
-    return {
-        "kl_mean": kl.mean().item(),
-        "kl_p90": kl.quantile(0.9).item(),
-        "kl_p99": kl.quantile(0.99).item(),
-        "top1_agreement": (base.argmax(-1) == test.argmax(-1)).float().mean().item(),
-        "ppl_base": ppl_base,
-        "ppl": ppl_test,
-        "delta_ppl": ppl_test - ppl_base,
-        "delta_ppl_rel": ppl_test / ppl_base - 1.0,
-        "tokens": int(kl.numel()),
-    }

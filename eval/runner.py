@@ -40,8 +40,9 @@ import yaml
 from kvquant.eval.caches import CacheSpec, fp16_bytes_per_token, kv_geometry, resolve_specs
 from kvquant.eval.config import EvalConfig, EvalError, Timing, cast, check_output_dir, load_config
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
-from kvquant.eval.decode import compare, simulated_logprobs, teacher_forced_logprobs
+from kvquant.eval.decode import simulated_logprobs, teacher_forced_logprobs
 from kvquant.eval.memory import measure_memory
+from kvquant.eval.quality import compare
 from kvquant.eval.records import RecordStore, claim_folder, write_json
 from kvquant.eval.report import environment, markdown_table
 from kvquant.eval.retrieval import passkey_accuracy

@@ -1,6 +1,6 @@
 """Imports run one way: the import-linter contracts of pyproject.toml, as `make lint` runs them.
 
-Layers, top to bottom: tools > eval > planning > attention | models > cache > transforms > config |
+Layers, top to bottom: tools > integrations > eval > planning > attention | models > cache > transforms > config |
 kernels > formats > env (pyproject's ``[tool.importlinter]`` names every module). The library never
 imports the harness (``kvquant.eval``) and neither imports the tools (``kvquant.tools``). The imports
 that still break a layer while issue 12 is under way are the contract's ``ignore_imports``; an

@@ -77,3 +77,13 @@ def test_console_script_entry_point():
     (ep,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "kvquant"]
     assert ep.value == "kvquant.tools.cli:main"
     assert callable(ep.load())
+    (lm,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "kvquant-lm-eval"]
+    assert lm.value == "kvquant.integrations:lm_eval_main" and callable(lm.load())
+
+
+def test_evaluate_metric_module_is_installed_with_the_package():
+    """The ``evaluate`` metric is loaded by path: its file must be in the installed package."""
+    from kvquant.integrations import CACHE_QUALITY_METRIC
+
+    shipped = importlib.resources.files("kvquant.integrations") / "kvquant_cache_quality.py"
+    assert shipped.is_file() and Path(str(shipped)).resolve() == Path(CACHE_QUALITY_METRIC).resolve()

@@ -16,7 +16,8 @@ from kvquant.attention import enable
 from kvquant.cache import KVQuantCache
 from kvquant.config import KVQuantConfig
 from kvquant.eval.caches import cache_nbytes_16bit
-from kvquant.eval.decode import compare, teacher_forced_logprobs
+from kvquant.eval.decode import teacher_forced_logprobs
+from kvquant.eval.quality import compare
 from kvquant.memory import format_bytes_per_token
 from kvquant.models import load_model
 

@@ -91,7 +91,9 @@ class TuneResult:
 
 def _kl(base: torch.Tensor, test: torch.Tensor) -> float:
     """Mean KL(base || test) over positions: log-probs ``[B, N, V]``."""
-    return torch.nn.functional.kl_div(test, base, log_target=True, reduction="none").sum(-1).mean().item()
+    from kvquant.eval.quality import kl_per_prediction
+
+    return kl_per_prediction(base, test).mean().item()
 
 
 @torch.no_grad()

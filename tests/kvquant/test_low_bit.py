@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.eval.decode import compare, teacher_forced_logprobs
+from kvquant.eval.decode import teacher_forced_logprobs
+from kvquant.eval.quality import compare
 from kvquant.formats import (
     CODEBOOK_SCALE_GRID,
     dequantize,

@@ -122,7 +122,8 @@ def test_row_ops_and_bytes():
 def test_recent_window_lowers_the_decode_error():
     from transformers import DynamicCache
 
-    from kvquant.eval.decode import compare, teacher_forced_logprobs
+    from kvquant.eval.decode import teacher_forced_logprobs
+    from kvquant.eval.quality import compare
     from kvquant.models import tiny_model
 
     model = tiny_model("llama")

@@ -13,7 +13,8 @@ from kvquant import KVQuantCache, KVQuantConfig
 from kvquant.config import preset_names
 from kvquant.eval.config import CorpusSection, EvalError
 from kvquant.eval.corpus import load_corpus
-from kvquant.eval.decode import compare, teacher_forced_logprobs
+from kvquant.eval.decode import teacher_forced_logprobs
+from kvquant.eval.quality import compare
 from kvquant.memory import format_bytes_per_token
 from kvquant.models import load_model
 

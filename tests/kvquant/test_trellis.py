@@ -189,7 +189,8 @@ def test_trellis_codes_lower_the_error_of_a_tiny_model_at_equal_bits():
     from transformers import DynamicCache
 
     from kvquant import KVQuantCache
-    from kvquant.eval.decode import compare, teacher_forced_logprobs
+    from kvquant.eval.decode import teacher_forced_logprobs
+    from kvquant.eval.quality import compare
     from kvquant.models import tiny_model
 
     model = tiny_model("llama", head_dim=64)  # heads as wide as real ones (the circle is the head)
