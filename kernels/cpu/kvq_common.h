@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* One quantized operand as a store holds it (mirrored by _Operand in build.py). */
 typedef struct {
@@ -29,13 +30,20 @@ typedef struct {
 /* Dequantized rows out [B, H, n, D] of tokens [t0, t0 + n) of o (decode_cpu.c). */
 void kvq_dequantize(const kvq_operand *o, int64_t B, int64_t H, int64_t t0, int64_t n, int64_t D, float *out);
 
-/* One float8 e4m3fn value (bias 7, no infinities, 0x7f / 0xff NaN) -> fp32. */
+/* One float8 e4m3fn value (bias 7, no infinities, 0x7f / 0xff NaN) -> fp32, exactly: a normal
+ * value's fields moved into fp32's, a subnormal m / 8 * 2^-6 as m * 2^-9 (no libm call: decode
+ * converts one per scale row). */
 static inline float e4m3_to_f32(uint8_t b) {
-    const int e = (b >> 3) & 15, m = b & 7;
+    const uint32_t e = (b >> 3) & 15, m = b & 7;
     float v;
-    if (e == 15 && m == 7) v = NAN;
-    else if (e == 0) v = ldexpf((float)m, -9);      /* subnormal: m / 8 * 2^-6 */
-    else v = ldexpf((float)(8 + m), e - 10);        /* (1 + m / 8) * 2^(e - 7) */
+    if (e == 0) {
+        v = (float)m * 0.001953125f;
+    } else if (e == 15 && m == 7) {
+        v = NAN;
+    } else {
+        const uint32_t w = ((e + 120u) << 23) | (m << 20); /* (1 + m / 8) * 2^(e - 7) */
+        memcpy(&v, &w, sizeof(v));
+    }
     return (b & 0x80) ? -v : v;
 }
 
