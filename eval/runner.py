@@ -261,7 +261,10 @@ def run_eval(
     write_json(
         run_dir / "results.json", {**run_info, "config": cfg.to_dict(), "env": env, "records": records}
     )
-    (run_dir / "results.md").write_text(table + "\n")
+    from kvquant.models import weights_label
+
+    weights = weights_label(cfg.model.name) if not fingerprint else run_info["model"]["name"]
+    (run_dir / "results.md").write_text(f"Weights: {weights}.\n\n{table}\n")
     return EvalResult(run_dir, records, table, skipped)
 
 

@@ -216,10 +216,12 @@ def build_report(cfg, specs, labels, done, model_configs, corpus_info, out: Path
             or (rec["context"] in grid_contexts and rec["batch"] in grid_batches)
         )
     ]
+    from kvquant.models import weights_label
+
     md = [
         f"# kvquant sweep: {cfg.name or out.name}",
         "",
-        f"Models: {', '.join(labels)} ({m.dtype}, attention {m.attn_implementation}). "
+        f"Models: {', '.join(weights_label(label) for label in labels)} ({m.dtype}, attention {m.attn_implementation}). "
         f"Corpus: {corpus_info['source']}. Quality: {q.mode} mode, {q.windows} window(s) of "
         f"{q.prefix_len} prefix + {q.score_len} scored tokens, against DynamicCache. "
         f"Each point: a fresh cache prefills [batch, context] tokens and decodes {s.decode_tokens} greedily; "

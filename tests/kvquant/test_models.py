@@ -181,3 +181,10 @@ def test_tiny_model_seed_and_rng():
     assert torch.equal(torch.random.get_rng_state(), before)  # global RNG untouched
     wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_reports_say_the_embedded_weights_are_dequantized_from_gguf():
+    for name in (None, "smollm2", "default", "SmolLM2"):
+        label = models.weights_label(name)
+        assert "dequantized from the 4-bit Q4_1 GGUF" in label and label.startswith("embedded SmolLM2")
+    assert models.weights_label("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
