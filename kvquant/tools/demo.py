@@ -19,7 +19,7 @@ from kvquant.eval.caches import cache_nbytes_16bit
 from kvquant.eval.decode import teacher_forced_logprobs
 from kvquant.eval.quality import compare
 from kvquant.memory import format_bytes_per_token
-from kvquant.models import load_model
+from kvquant.models import load_model, weights_label
 
 DEMO_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -48,7 +48,7 @@ def run(model_name: str | None, prompt: str | None, max_new_tokens: int, preset:
         model, tok = load_model(model_name)
     except ValueError as exc:
         raise ValueError(f"--model: {exc}") from None
-    print(f"loaded {model_name or 'embedded SmolLM2-135M-Instruct'} in {time.perf_counter() - start:.1f} s")
+    print(f"loaded {weights_label(model_name)} in {time.perf_counter() - start:.1f} s")
     enable(model)  # the fused `kvquant` attention: decode reads codes, never a rebuilt history
     messages = [{"role": "user", "content": prompt}]
     if getattr(tok, "chat_template", None):
