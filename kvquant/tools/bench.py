@@ -261,8 +261,8 @@ def bench_cpu(
     if model is None:
         model, _ = load_model(model_name)
         model_label = weights_label(model_name)
-    else:  # a model object handed in: named by its config
-        model_label = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    else:  # a model object handed in: named by where its config says it came from
+        model_label = weights_label(getattr(model.config, "_name_or_path", "") or type(model).__name__)
     enable(model)
     builds = _caches(model, presets, dequant)
     gen = torch.Generator().manual_seed(0)

@@ -187,4 +187,5 @@ def test_reports_say_the_embedded_weights_are_dequantized_from_gguf():
     for name in (None, "smollm2", "default", "SmolLM2"):
         label = models.weights_label(name)
         assert "dequantized from the 4-bit Q4_1 GGUF" in label and label.startswith("embedded SmolLM2")
+    assert models.weights_label(models.embedded_cache_dir()) == models.weights_label(None)  # as loaded
     assert models.weights_label("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
