@@ -40,7 +40,7 @@ Why these and no others:
   messages to name the field or flag and the allowed values.
 - ``FileNotFoundError``, ``FileExistsError``, ``IsADirectoryError``, ``NotADirectoryError``,
   ``PermissionError``: a path the user gave (an input file, an output folder) that is missing, of the
-  wrong kind, or not writable. Other ``OSError``\ s (disk full, I/O errors) are the machine's, and
+  wrong kind, or not writable. Other ``OSError`` errors (disk full, I/O errors) are the machine's, and
   are left to surface with their traceback.
 - ``yaml.YAMLError`` and ``pickle.UnpicklingError``: a file the user named that is not YAML / not a
   torch file, wherever a loader let one through unwrapped.

@@ -168,7 +168,8 @@ def measure_engine(model: Any, windows: torch.Tensor, scales_path: str | Path, p
     from transformers import DynamicCache
 
     from kvquant.eval.caches import engine_cache, engine_config
-    from kvquant.eval.decode import compare, teacher_forced_logprobs
+    from kvquant.eval.decode import teacher_forced_logprobs
+    from kvquant.eval.quality import compare
 
     quant = engine_config(scales_path)
     base, test = [], []
