@@ -129,10 +129,17 @@ def _cached_operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
     if op is None:
         if not (_in_place(codes) and _in_place(scale) and _in_place(zero)):  # (a function of the key)
             return _operand(codes, scale, zero, fmt, group, axis, keep)
-        if len(_OPERANDS) >= _OPERANDS_MAX:
-            _OPERANDS.clear()
-        op = _OPERANDS[key] = _operand(codes, scale, zero, fmt, group, axis, [])
+        op = _remember(_OPERANDS, key, _operand(codes, scale, zero, fmt, group, axis, []))
     return op
+
+
+def _remember(table: dict, key: tuple, value):
+    """Keep ``value`` under ``key`` in a memo of described buffers (emptied when it holds
+    ``_OPERANDS_MAX``: stale entries are harmless, only memory); returns ``value``."""
+    if len(table) >= _OPERANDS_MAX:
+        table.clear()
+    table[key] = value
+    return value
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -328,11 +335,7 @@ def _cached_writer(codes, scale, zero, fmt: str) -> _Writer:
     step)."""
     key = (fmt, _layout(codes), _layout(scale), _layout(zero))
     w = _WRITERS.get(key)
-    if w is None:
-        if len(_WRITERS) >= _OPERANDS_MAX:
-            _WRITERS.clear()
-        w = _WRITERS[key] = _writer_of(codes, scale, zero, fmt)
-    return w
+    return w if w is not None else _remember(_WRITERS, key, _writer_of(codes, scale, zero, fmt))
 
 
 def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
