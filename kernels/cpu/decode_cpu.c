@@ -601,6 +601,37 @@ static inline __m256i bytes8(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
+/* unpack_row for 2- and 3-bit planar codes, 16 bytes of the low plane and 8 of the high plane per
+ * step (16-bit shifts; the bits a shift brings in from the next byte are masked off), scalar tails. */
+static inline void unpack_row_sse(const uint8_t *restrict c, int bits, int D, uint8_t *restrict idx) {
+    if (bits != 2 && bits != 3) {
+        unpack_row(c, bits, D, idx);
+        return;
+    }
+    const int w = D / 4;
+    const __m128i three = _mm_set1_epi8(3), one = _mm_set1_epi8(1);
+    int j = 0;
+    for (; j + 16 <= w; j += 16) { /* channel j + k w: bits 2k .. 2k+1 of byte j */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(c + j));
+        for (int k = 0; k < 4; k++)
+            _mm_storeu_si128((__m128i *)(idx + j + k * w), _mm_and_si128(_mm_srli_epi16(v, 2 * k), three));
+    }
+    for (; j < w; j++)
+        for (int k = 0; k < 4; k++) idx[j + k * w] = (c[j] >> (2 * k)) & 3;
+    if (bits == 2) return;
+    const int w1 = D / 8; /* the high bit of channel j + k w1 is bit k of byte w + j */
+    for (j = 0; j + 8 <= w1; j += 8) {
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(c + w + j));
+        for (int k = 0; k < 8; k++) {
+            uint8_t *dst = idx + j + k * w1;
+            const __m128i hi = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(v, k), one), 2);
+            _mm_storel_epi64((__m128i *)dst, _mm_or_si128(_mm_loadl_epi64((const __m128i *)dst), hi));
+        }
+    }
+    for (; j < w1; j++)
+        for (int k = 0; k < 8; k++) idx[j + k * w1] |= ((c[w + j] >> k) & 1) << 2;
+}
+
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 8 channels per step: bytes -> 8 int32 codes (one
  * shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert; codebooks of
  * up to 16 levels: two 8-entry permutes blended on bit 3; fp8 and trellis states: a gather) -> times
@@ -620,6 +651,16 @@ static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, 
     const __m256 lut_hi = n_lut > 8 ? _mm256_loadu_ps(o->lut + 8) : _mm256_setzero_ps();
     const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
     float sb[512], zb[512];
+    /* trellis: every row's codes unpacked first, each with the m-1 codes that wrap around before
+     * channel 0 (the state loads below then read bytes whose stores have completed: reading a
+     * row's bytes right after writing them stalls on store forwarding) */
+    uint8_t ib[8][16 + 512 + 16];
+    for (int64_t i = 0; o->state_codes && i < nt; i++) {
+        const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
+        const int m = o->state_codes;
+        unpack_row_sse(row, o->bits, (int)D, ib[i] + 16);
+        memcpy(ib[i] + 16 - (m - 1), ib[i] + 16 + D - (m - 1), (size_t)(m - 1));
+    }
     int64_t scale_row = -1; /* channel axis: the scale row in sb / zb (one per `group` tokens) */
     for (int64_t i = 0; i < nt; i++) {
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
@@ -632,13 +673,10 @@ static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, 
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
-        if (o->state_codes) { /* trellis: codes unpacked with the m-1 that wrap around before channel 0 */
+        if (o->state_codes) { /* trellis: state = the code and the m-1 before it, one gather per 8 */
             const int m = o->state_codes, k = o->bits;
-            uint8_t ib[16 + 512 + 16];
-            unpack_row(row, o->bits, (int)D, ib + 16);
-            memcpy(ib + 16 - (m - 1), ib + 16 + D - (m - 1), (size_t)(m - 1));
             for (int c = 0; c < nc; c++) {
-                const uint8_t *p = ib + 16 + 8 * c;
+                const uint8_t *p = ib[i] + 16 + 8 * c;
                 __m256i st = bytes8(p);
                 for (int j = 1; j < m; j++)
                     st = _mm256_or_si256(st, _mm256_sll_epi32(bytes8(p - j), _mm_cvtsi32_si128(j * k)));
