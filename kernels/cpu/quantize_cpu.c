@@ -238,12 +238,13 @@ static inline uint8_t bucket(float v, const float *edges, int n_edges) {
     return (uint8_t)q;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 /* Codes of xg[gs] for scale s into qg; returns sum((level * s - x)^2) in torch's order. levels:
- * padded to 16 entries. 16 elements per step where the group allows (the same fp32 operations). */
+ * padded to 16 entries. 16 (AVX-512) or 8 (AVX2) elements per step where the group allows (the
+ * same fp32 operations, so the same codes and sum). */
 __attribute__((optimize("fp-contract=off"))) static float codebook_try(
     const float *xg, int64_t gs, float s, const float *levels, const float *edges, int n_edges,
     uint8_t *qg, float *tmp) {
@@ -260,6 +261,25 @@ __attribute__((optimize("fp-contract=off"))) static float codebook_try(
         _mm_storeu_si128((__m128i *)(qg + d), _mm512_cvtepi32_epi8(q));
         const __m512 e = _mm512_sub_ps(_mm512_mul_ps(_mm512_permutexvar_ps(q, lut), vs), x);
         _mm512_storeu_ps(tmp + d, _mm512_mul_ps(e, e));
+    }
+#elif defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256 lut_lo = _mm256_loadu_ps(levels), lut_hi = _mm256_loadu_ps(levels + 8);
+    for (; d + 8 <= gs; d += 8) {
+        const __m256 x = _mm256_loadu_ps(xg + d), y = _mm256_div_ps(x, vs);
+        __m256i q = _mm256_setzero_si256();
+        for (int i = 0; i < n_edges; i++) /* edges strictly below y: each true compare is -1 */
+            q = _mm256_sub_epi32(q, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(edges[i]), y, _CMP_LT_OQ)));
+        q = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(q), _mm256_castsi256_ps(_mm256_set1_epi32(n_edges)),
+                                                 _mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+        int32_t qi[8];
+        _mm256_storeu_si256((__m256i *)qi, q);
+        for (int i = 0; i < 8; i++) qg[d + i] = (uint8_t)qi[i];
+        /* the level of code q: entry q & 7 of the half that bit 3 picks */
+        const __m256 lv = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, q), _mm256_permutevar8x32_ps(lut_hi, q),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)));
+        const __m256 e = _mm256_sub_ps(_mm256_mul_ps(lv, vs), x);
+        _mm256_storeu_ps(tmp + d, _mm256_mul_ps(e, e));
     }
 #endif
     for (; d < gs; d++) {
