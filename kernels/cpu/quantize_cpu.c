@@ -12,6 +12,10 @@
 
 #include "kvq_common.h"
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 /* ------------------------------------------------------------------------------------------------
  * The integer formats along the token axis (int8 symmetric; int4 / int3 / int2 with a zero point), writing codes, scales and
  * zero points straight into the store's buffers. Bit-exact with the torch spec: min / max / |max|
@@ -202,6 +206,15 @@ int kvq_quantize(const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int
 __attribute__((optimize("fp-contract=off"))) static float torch_sum(const float *a, int64_t n) {
     float acc[4][8] = {{0}};
     const int64_t chunks = n / 8, full = chunks / 4 * 4;
+#if defined(__AVX__)
+    if (chunks >= 4) { /* the same lane-wise adds, four chunks per step */
+        __m256 v[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < full; c += 4)
+            for (int j = 0; j < 4; j++) v[j] = _mm256_add_ps(v[j], _mm256_loadu_ps(a + 8 * (c + j)));
+        for (int64_t c = full; c < chunks; c++) v[0] = _mm256_add_ps(v[0], _mm256_loadu_ps(a + 8 * c));
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc[j], v[j]);
+    } else
+#endif
     for (int64_t c = 0; c < chunks; c++) {
         float *ac = acc[c < full ? c % 4 : 0];
         for (int i = 0; i < 8; i++) ac[i] += a[8 * c + i];
@@ -238,9 +251,6 @@ static inline uint8_t bucket(float v, const float *edges, int n_edges) {
     return (uint8_t)q;
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 /* Codes of xg[gs] for scale s into qg; returns sum((level * s - x)^2) in torch's order. levels:
  * padded to 16 entries. 16 (AVX-512) or 8 (AVX2) elements per step where the group allows (the
