@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -481,6 +482,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-layer formats for this model only; "
         f"tuned in {minutes:.1f} min"
     )
+    if args.name:
+        result.config = dataclasses.replace(result.config, name=args.name)
     result.write_yaml(args.out, header)
     print(result.table())
     print(result.summary())
@@ -535,6 +538,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         help="skip measuring the result against the best uniform configs",
     )
     p.add_argument("--out", required=True, help="output config (.yaml)")
+    p.add_argument("--name", default=None, help="the config's name (default: tuned)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_tune)
 

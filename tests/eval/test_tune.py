@@ -214,3 +214,21 @@ def test_tune_cli_bad_input_is_one_line(tmp_path, capsys, extra, message):
 def test_tune_cli_needs_a_budget(capsys):
     assert main(["tune", "--out", "x.yaml"]) == 2
     assert "--budget-kl" in capsys.readouterr().err
+
+
+def test_a_tuned_mix_decodes_on_the_fused_cpu_path():
+    """Every format the tuner picks, mixed per layer and tensor, is read by the fused kernels: the
+    `kvquant` attention gives the log-probs of the dequantizing path."""
+    import kvquant
+
+    cfg = build_config(
+        BASE, {"key": ["tcq2", "nuq4", "int8", "nuq3"], "value": ["tcq3", "nuq2", "tcq2", "int8"]}
+    )
+    ids = _windows(5)[:1]
+    model = tiny_model("llama", num_hidden_layers=4)
+    plain = teacher_forced_logprobs(model, ids, 48, KVQuantCache(model.config, cfg))
+    kvquant.enable(model)
+    cache = KVQuantCache(model.config, cfg)
+    fused = teacher_forced_logprobs(model, ids, 48, cache)
+    assert cache.uses_views()
+    assert torch.allclose(plain, fused, atol=2e-3)
