@@ -438,10 +438,19 @@ _TUNE_MENU = "tcq2,nuq2,tcq3,nuq3,nuq4,int8"  # kvquant.tools.tune.MENU (a test 
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    import torch
+
     from kvquant.eval.config import CorpusSection
     from kvquant.eval.corpus import load_corpus, make_windows, tokenize
     from kvquant.models import load_model
-    from kvquant.tools.tune import check_formats, load_sensitivity, prefill, save_sensitivity, tune
+    from kvquant.tools.tune import (
+        Calibration,
+        check_formats,
+        load_sensitivity,
+        prefill,
+        save_sensitivity,
+        tune,
+    )
 
     if args.base is not None:
         check_cache("--base", args.base)
@@ -452,11 +461,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     model, tok = flagged("--model", load_model, args.model)
     ids = make_windows(tokenize(tok, corpus.text), args.prefix_len, args.score_len, args.windows, args.corpus)
     started = time.perf_counter()
-    calib = prefill(model, ids, args.prefix_len)
     sens = None
     if args.sensitivity and Path(args.sensitivity).is_file():
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         sens = flagged("--sensitivity", load_sensitivity, args.sensitivity, formats, layers)
+    if sens is not None and args.no_verify:  # nothing to run: the windows only give the token count
+        calib = Calibration(ids, args.prefix_len, None, torch.empty(0))
+    else:
+        calib = prefill(model, ids, args.prefix_len)
     result = flagged(
         "--formats",
         tune,
@@ -479,6 +491,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         f"kvquant tune {budget} --corpus {args.corpus} --windows {args.windows} --prefix-len "
         f"{args.prefix_len} --score-len {args.score_len} --formats {','.join(formats)}"
         + (f" --base {args.base}" if args.base else "")
+        + (f" (sensitivities reused from {args.sensitivity})" if sens is not None else "")
         + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-layer formats for this model only; "
         f"tuned in {minutes:.1f} min"
     )
