@@ -8,7 +8,10 @@
    from the full-precision cache's is recorded. This is ``kvquant eval``'s decode mode (the prefill
    attends to full-precision K/V there too, so the prefix's keys / values are computed once and
    written into each cache, which is what the prefill would have written; a test checks the log-probs
-   equal :func:`~kvquant.eval.decode.teacher_forced_logprobs`). The windows run as one batch.
+   equal :func:`~kvquant.eval.decode.teacher_forced_logprobs`). The windows, and 10 probes, run as
+   one batch. By default (``measure="scaled"``) only the coarsest format is measured so and the
+   others are scaled by the stored error (:func:`tensor_sensitivity`); ``measure="all"`` measures
+   every format.
 2. **Cost, the way ``kvquant eval`` counts it.** The bytes each tensor's format adds to a layer after
    ``bits_tokens`` positions (default ``prefix_len + score_len - 1``, the end of an eval window):
    codes, scales, the sink / recent / residual tokens, every tensor counted at 16 bits
