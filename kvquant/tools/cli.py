@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvquant.tools.arguments import (
     USER_ERRORS,
@@ -431,39 +434,80 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------------------------------ tune
 
 
+_TUNE_MENU = "tcq2,nuq2,tcq3,nuq3,nuq4,int8"  # kvquant.tools.tune.MENU (a test checks)
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
+    import torch
+
     from kvquant.eval.config import CorpusSection
     from kvquant.eval.corpus import load_corpus, make_windows, tokenize
     from kvquant.models import load_model
-    from kvquant.tools.tune import tune
+    from kvquant.tools.tune import (
+        Calibration,
+        check_formats,
+        load_sensitivity,
+        prefill,
+        save_sensitivity,
+        tune,
+    )
 
     if args.base is not None:
         check_cache("--base", args.base)
     check_output_file("--out", args.out)
+    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    flagged("--formats", check_formats, formats)
     corpus = flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
     model, tok = flagged("--model", load_model, args.model)
-    ids = make_windows(tokenize(tok, corpus.text), args.window_len // 2, args.window_len // 2, args.windows)
-    result = tune(
+    ids = make_windows(tokenize(tok, corpus.text), args.prefix_len, args.score_len, args.windows, args.corpus)
+    started = time.perf_counter()
+    sens = None
+    if args.sensitivity and Path(args.sensitivity).is_file():
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        sens = flagged("--sensitivity", load_sensitivity, args.sensitivity, formats, layers)
+    if sens is not None and args.no_verify:  # nothing to run: the windows only give the token count
+        calib = Calibration(ids, args.prefix_len, None, torch.empty(0))
+    else:
+        calib = prefill(model, ids, args.prefix_len)
+    result = flagged(
+        "--formats",
+        tune,
         model,
-        ids,
+        calib,
         budget_kl=args.budget_kl,
         budget_bits=args.budget_bits,
         base=args.base,
+        formats=formats,
+        verify=not args.no_verify,
+        sensitivity=sens,
+        measure=args.measure,
         progress=not args.no_progress,
     )
-    result.config.to_yaml(args.out)
-    print("layer  rung   " + "  ".join(f"{r:>8s}" for r in result.sensitivity))
-    for i, rung in enumerate(result.rungs):
-        kls = "  ".join(f"{result.sensitivity[r][i]:8.5f}" for r in result.sensitivity)
-        print(f"{i:5d}  {rung:5s}  {kls}")
+    if args.sensitivity and sens is None:
+        save_sensitivity(args.sensitivity, result.sensitivity)
+    minutes = (time.perf_counter() - started) / 60
+    budget = f"--budget-bits {args.budget_bits}" if args.budget_bits else f"--budget-kl {args.budget_kl}"
+    header = (
+        f"kvquant tune {budget} --corpus {args.corpus} --windows {args.windows} --prefix-len "
+        f"{args.prefix_len} --score-len {args.score_len} --formats {','.join(formats)}"
+        + (f" --base {args.base}" if args.base else "")
+        + (f" (sensitivities reused from {args.sensitivity})" if sens is not None else "")
+        + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-layer formats for this model only; "
+        f"tuned in {minutes:.1f} min"
+    )
+    if args.name:
+        result.config = dataclasses.replace(result.config, name=args.name)
+    result.write_yaml(args.out, header)
+    print(result.table())
     print(result.summary())
-    print(f"wrote {args.out}; measure it: kvquant eval --caches {args.out}")
+    print(f"tuning took {minutes:.1f} min; wrote {args.out}; measure it: kvquant eval --caches {args.out}")
     return 0 if result.met else 1
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "tune", help="per-layer K/V bit allocation meeting a KL or bits budget (writes a config YAML)"
+        "tune",
+        help="per-layer key / value formats meeting a bits or KL budget, measured in decode mode (writes a YAML)",
     )
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument(
@@ -474,19 +518,40 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "--budget-kl", type=float_above(0), help="largest predicted mean KL vs full precision (> 0)"
     )
     budget.add_argument(
-        "--budget-bits", type=float_above(0), help="largest mean format bits per element (> 0)"
+        "--budget-bits",
+        type=float_above(0),
+        help="largest bits @16-bit per element, as kvquant eval counts them (scales, sinks, windows)",
     )
     p.add_argument(
-        "--base", default=None, help="preset / YAML with the shared settings (default: nuq ladder)"
+        "--base", default=None, help="preset / YAML with the shared settings (default: the *-recent recipe)"
     )
-    p.add_argument("--windows", type=int_at_least(1), default=2, help="calibration windows")
     p.add_argument(
-        "--window-len",
-        type=int_at_least(2),
-        default=512,
-        help="tokens per window (the second half is scored)",
+        "--formats", default=_TUNE_MENU, help=f"comma-separated format menu (default {_TUNE_MENU})"
+    )
+    p.add_argument("--windows", type=int_at_least(1), default=4, help="calibration windows (default 4)")
+    p.add_argument("--prefix-len", type=int_at_least(1), default=1024, help="prefilled tokens per window")
+    p.add_argument(
+        "--score-len", type=int_at_least(2), default=64, help="teacher-forced, scored tokens per window"
+    )
+    p.add_argument(
+        "--measure",
+        choices=("scaled", "all"),
+        default="scaled",
+        help="scaled (default): each tensor measured in decode mode in the coarsest format, the others "
+        "scaled by their stored error; all: every format measured (menu-size times slower)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        default=None,
+        help="JSON of measurements: reused when the file exists, else written (one run, several budgets)",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip measuring the result against the best uniform configs",
     )
     p.add_argument("--out", required=True, help="output config (.yaml)")
+    p.add_argument("--name", default=None, help="the config's name (default: tuned)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_tune)
 

@@ -1,23 +1,38 @@
-"""``kvquant tune``: a per-layer bit allocation that meets a KL or bits budget with the fewest bytes.
+"""``kvquant tune``: per-layer, per-K/V formats that meet a bits (or KL) budget with the least KL.
 
-1. **Sensitivity.** For every layer and every rung of a ladder of K/V format pairs (``k2v2`` …
-   ``k8v8``), run the calibration windows once in simulated mode (keys and values quantized and
-   dequantized inside one forward, see :func:`kvquant.eval.decode.simulated_logprobs`) with *only
-   that layer* quantized, and record the mean KL divergence of the next-token distributions from
-   the full-precision model's over the scored positions.
-2. **Allocation.** Treat the KL of layers as additive. Start every layer on the cheapest rung and
-   repeatedly take the upgrade (layer, rung) that removes the most KL per added bit, until the
-   predicted KL meets ``budget_kl`` (or until no upgrade fits in ``budget_bits``).
-3. **Output.** A :class:`~kvquant.KVQuantConfig` whose base formats are the most used rung and whose
-   ``layer_overrides`` hold the others, written as YAML any cache or ``kvquant eval`` accepts.
+1. **Sensitivity, the way quality is measured.** Each calibration window (``prefix_len`` +
+   ``score_len`` tokens) is prefilled once; then, for every layer, for keys and for values, and for
+   every format of the menu, the ``score_len`` reference tokens are teacher-forced one at a time
+   through a :class:`~kvquant.KVQuantCache` in which *only that tensor of that layer* is quantized
+   (everything else full precision), and the mean KL divergence of the next-token distributions
+   from the full-precision cache's is recorded. This is ``kvquant eval``'s decode mode (the prefill
+   attends to full-precision K/V there too, so the prefix's keys / values are computed once and
+   written into each cache, which is what the prefill would have written; a test checks the log-probs
+   equal :func:`~kvquant.eval.decode.teacher_forced_logprobs`). The windows, and 10 probes, run as
+   one batch. By default (``measure="scaled"``) only the coarsest format is measured so and the
+   others are scaled by the stored error (:func:`tensor_sensitivity`); ``measure="all"`` measures
+   every format.
+2. **Cost, the way ``kvquant eval`` counts it.** The bytes each tensor's format adds to a layer after
+   ``bits_tokens`` positions (default ``prefix_len + score_len - 1``, the end of an eval window):
+   codes, scales, the sink / recent / residual tokens, every tensor counted at 16 bits
+   (:func:`kvquant.memory.layer_bytes`). Bits = ``16 * bytes / fp16 bytes`` (``bits @16-bit``).
+3. **Allocation.** A multiple-choice knapsack over the ``2 x layers`` tensors, KL assumed additive
+   over tensors, solved exactly on the cost / KL Pareto front (not greedily): the least predicted KL
+   within ``budget_bits``, or the fewest bits whose predicted KL is at most ``budget_kl``.
+4. **Check.** With ``verify=True`` (the CLI's default) the chosen config and the best uniform
+   configs of the menu within the same bits are measured jointly, in decode mode, on the
+   calibration windows; if a uniform one measures lower, it is returned instead (with a note).
 
-The predicted KL is a screening number (simulated mode, additivity); measure the result with
-``kvquant eval`` (decode mode) before trusting it.
+Per-head formats: a :class:`~kvquant.KVQuantConfig` holds one format per layer and tensor (the
+heads of a layer share it), so the allocation is over layers x {K, V}. A tensor whose format has
+more bits than the recent window's (``int8`` over ``nuq4``) gets its recent window in that format
+too.
 
 Example:
-    >>> result = tune(model, calib_ids, budget_kl=0.02)
-    >>> result.config.to_yaml("tuned.yaml")
-    >>> cache = KVQuantCache(model.config, "tuned.yaml")
+    >>> calib = prefill(model, windows, prefix_len=1024)          # windows: [W, 1024 + 64]
+    >>> result = tune(model, calib, budget_bits=3.0)
+    >>> print(result.table())
+    >>> result.write_yaml("tuned.yaml")
 """
 
 from __future__ import annotations
@@ -25,206 +40,571 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.config import KVQuantConfig
-from kvquant.formats import format_spec
-from kvquant.memory import format_bits
+from kvquant.formats import FORMAT_NAMES
+from kvquant.memory import format_bits, layer_bytes
 
-# rung name -> (key_format, value_format); sorted by bits below
-LADDER: dict[str, tuple[str, str]] = {
-    "k2v2": ("nuq2", "nuq2"),
-    "k3v2": ("nuq3", "nuq2"),
-    "k3v3": ("nuq3", "nuq3"),
-    "k4v3": ("nuq4", "nuq3"),
-    "k4v4": ("nuq4", "nuq4"),
-    "k8v8": ("int8", "int8"),
-}
-# the settings every rung shares unless the caller passes its own base
+MENU: tuple[str, ...] = ("tcq2", "nuq2", "tcq3", "nuq3", "nuq4", "int8")
+TENSORS = ("key", "value")
+# the recipe of the `*-recent` presets: 2-8 bit old tokens, a 64-token nuq4 window, 4 newest tokens
+# and 4 sinks in full precision; 8-bit scales, one per 32 key channels / per value head
 DEFAULT_BASE = KVQuantConfig(
-    key_format="nuq4",
-    value_format="nuq4",
+    key_format="tcq3",
+    value_format="tcq2",
+    key_group_size=32,
     rotation="hadamard",
     smoothing="mean",
+    scale_dtype="float8_e4m3",
     sink_tokens=4,
-    residual_length=16,
+    residual_length=4,
+    recent_length=64,
+    recent_key_format="nuq4",
+    recent_value_format="nuq4",
     name="tuned",
 )
 
 
-def rung_bits(base: KVQuantConfig, formats: tuple[str, str], head_dim: int) -> float:
-    """Bits per K/V element of a rung's formats with ``base``'s groups and scale dtype (codes and
-    scales / zero points; the full-precision sink and residual tokens are the same on every rung)."""
-    cfg = dataclasses.replace(base, key_format=formats[0], value_format=formats[1], layer_overrides={})
-    if not all(format_spec(f).has_scale for f in formats):
-        raise ValueError(f"candidates: a rung may not use the pass-through format, got {formats}")
-    return (format_bits(cfg, "key", head_dim) + format_bits(cfg, "value", head_dim)) / 2
+# ------------------------------------------------------------------------------ decode-mode KL
+
+
+@dataclass
+class Calibration:
+    """Prefilled calibration windows: ``ids[W, P + D]``, the prefix's full-precision ``kv`` per
+    layer (``None`` when a layer keeps fewer than ``P`` tokens, e.g. sliding windows: then every run
+    prefills again), ``first`` (log-probs of prediction 0, ``[W, 1, V]``) and ``reference``
+    (the full-precision cache's log-probs ``[W, D, V]``)."""
+
+    ids: torch.Tensor
+    prefix_len: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+    first: torch.Tensor
+    reference: torch.Tensor | None = field(default=None, repr=False)
+
+
+@torch.no_grad()
+def prefill(model: Any, ids: torch.Tensor, prefix_len: int) -> Calibration:
+    """Prefill ``ids[W, P + D]``'s prefixes once (full precision) and decode the reference."""
+    from transformers import DynamicCache
+
+    if ids.dim() != 2 or not 0 < prefix_len < ids.shape[1]:
+        raise ValueError(
+            f"ids: expected [windows, tokens] with 0 < prefix_len ({prefix_len}) < tokens; got {tuple(ids.shape)}"
+        )
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids[:, :prefix_len].to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1:].float().log_softmax(-1).cpu()
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    if any(k is None or k.shape[-2] != prefix_len for k, _ in kv):
+        kv = None
+    calib = Calibration(ids, prefix_len, kv, first)
+    calib.reference = _continue(model, calib, cache)
+    return calib
+
+
+@torch.no_grad()
+def _continue(model: Any, calib: Calibration, cache: Any) -> torch.Tensor:
+    """Teacher-force the scored tokens through ``cache`` (already holding the prefix)."""
+    device = next(model.parameters()).device
+    ids = calib.ids.to(device)
+    steps = [calib.first]
+    for t in range(calib.prefix_len, ids.shape[1] - 1):
+        out = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
+        steps.append(out.logits[:, -1:].float().log_softmax(-1).cpu())
+    return torch.cat(steps, dim=1)
+
+
+@torch.no_grad()
+def decode_logprobs(model: Any, calib: Calibration, quant: KVQuantConfig) -> torch.Tensor:
+    """Log-probs ``[W, D, V]`` of the scored tokens with ``quant``'s cache in the loop (decode mode)."""
+    from kvquant.cache import KVQuantCache
+
+    cache = KVQuantCache(model.config, quant)
+    if calib.kv is None:
+        device = next(model.parameters()).device
+        model(
+            input_ids=calib.ids[:, : calib.prefix_len].to(device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    else:
+        for i, (k, v) in enumerate(calib.kv):
+            cache.update(k, v, i)
+    return _continue(model, calib, cache)
+
+
+def decode_kl(model: Any, calib: Calibration, quant: KVQuantConfig) -> float:
+    """Mean KL (full precision || ``quant``) over the scored predictions, decode mode."""
+    from kvquant.eval.quality import kl_per_prediction
+
+    return kl_per_prediction(calib.reference, decode_logprobs(model, calib, quant)).mean().item()
+
+
+# ------------------------------------------------------------------------------ formats and bytes
+
+
+def tensor_fields(base: KVQuantConfig, which: str, fmt: str) -> dict[str, str]:
+    """The override fields that put ``which``'s (``key`` / ``value``) old tokens in ``fmt``; the
+    recent window follows when ``fmt`` has more bits than it."""
+    out = {f"{which}_format": fmt}
+    recent = getattr(base, f"recent_{which}_format")
+    if base.recent_length and fmt != "none":
+        probe = dataclasses.replace(base, layer_overrides={}, key_format=fmt, value_format=fmt)
+        other = dataclasses.replace(probe, key_format=recent, value_format=recent)
+        if format_bits(probe, which, 64) > format_bits(other, which, 64):
+            out[f"recent_{which}_format"] = fmt
+    return out
+
+
+def _layer_cfg(base: KVQuantConfig, key: str, value: str) -> KVQuantConfig:
+    fields = {**tensor_fields(base, "key", key), **tensor_fields(base, "value", value)}
+    return dataclasses.replace(base, layer_overrides={}, **fields)
+
+
+def _geometry(model_config: Any) -> tuple[int, int, int]:
+    text = model_config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def tensor_costs(
+    base: KVQuantConfig, formats: tuple[str, ...], heads: int, head_dim: int, tokens: int
+) -> tuple[int, dict[str, dict[str, int]]]:
+    """``(layer bytes with both tensors on base's formats, {tensor: {format: bytes added}})`` after
+    ``tokens`` positions at 16 bits per full-precision element; a layer's bytes are the first plus
+    one added cost per tensor (checked by the tests: the tensors' stores are independent)."""
+
+    def size(k: str, v: str) -> int:
+        return layer_bytes(_layer_cfg(base, k, v), tokens, 1, heads, head_dim, 2)["total"]
+
+    ref = size(base.key_format, base.value_format)
+    costs = {
+        "key": {f: size(f, base.value_format) - ref for f in formats},
+        "value": {f: size(base.key_format, f) - ref for f in formats},
+    }
+    return ref, costs
+
+
+def config_bits(cfg: KVQuantConfig, model_config: Any, tokens: int) -> float:
+    """``bits @16-bit`` of ``cfg``'s cache after ``tokens`` positions, as ``kvquant eval`` reports it."""
+    layers, heads, head_dim = _geometry(model_config)
+    total = sum(
+        layer_bytes(cfg.for_layer(i, layers), tokens, 1, heads, head_dim, 2)["total"] for i in range(layers)
+    )
+    return 16.0 * total / (tokens * layers * heads * head_dim * 2 * 2)
+
+
+# ------------------------------------------------------------------------------ allocation
+
+
+def allocate(
+    items: list[dict[str, tuple[float, float]]],
+    *,
+    budget_cost: float | None = None,
+    budget_kl: float | None = None,
+) -> tuple[list[str], bool]:
+    """Exact multiple-choice knapsack: one option per item, ``items[j][option] = (cost, kl)``.
+
+    With ``budget_cost``: the least total KL whose total cost is at most it; with ``budget_kl``:
+    the least cost whose KL is at most it (else the least KL there is). Returns
+    ``(option per item, whether the budget is met)``; exactly one budget must be given.
+    """
+    if (budget_kl is None) == (budget_cost is None):
+        raise ValueError("budget: give exactly one of budget_kl or budget_bits")
+    if not items or any(not opts for opts in items):
+        raise ValueError("allocate: every item needs at least one option")
+    min_rest = np.cumsum([min(c for c, _ in opts.values()) for opts in items][::-1])[::-1].tolist() + [0.0]
+    if budget_cost is not None and min_rest[0] > budget_cost + 1e-9:
+        return [min(opts, key=lambda o: opts[o][0]) for opts in items], False
+    costs, kls = np.zeros(1), np.zeros(1)
+    back: list[tuple[np.ndarray, np.ndarray, list[str]]] = []
+    for j, opts in enumerate(items):
+        names = list(opts)
+        oc = np.array([opts[n][0] for n in names], dtype=np.float64)
+        ok = np.array([opts[n][1] for n in names], dtype=np.float64)
+        c = (costs[:, None] + oc[None]).ravel()
+        k = (kls[:, None] + ok[None]).ravel()
+        order = np.lexsort((k, c))  # by cost, then KL
+        c, k = c[order], k[order]
+        best_before = np.minimum.accumulate(np.concatenate([[np.inf], k[:-1]]))
+        keep = k < best_before  # the Pareto front: strictly less KL than anything as cheap
+        if budget_cost is not None:
+            keep &= c + min_rest[j + 1] <= budget_cost + 1e-9
+        idx = order[keep]
+        back.append((idx // len(names), idx % len(names), names))
+        costs, kls = c[keep], k[keep]
+    if budget_cost is not None:
+        pick, met = len(costs) - 1, True  # the front's KL falls as cost rises: the last is the best
+    else:
+        within = np.nonzero(kls <= budget_kl)[0]
+        pick, met = (int(within[0]), True) if len(within) else (len(costs) - 1, False)
+    choice: list[str] = []
+    for prev, opt, names in reversed(back):
+        choice.append(names[int(opt[pick])])
+        pick = int(prev[pick])
+    return choice[::-1], met
+
+
+# ------------------------------------------------------------------------------ the search
 
 
 @dataclass
 class TuneResult:
     """What :func:`tune` found.
 
-    ``rungs[i]`` is layer ``i``'s rung; ``sensitivity[rung][i]`` the KL measured with only layer ``i``
-    on that rung; ``format_bits`` the mean bits per element of the codes and scales over layers.
+    ``formats[tensor][i]``: layer ``i``'s key / value format; ``sensitivity[tensor][fmt][i]``: the
+    decode-mode KL with only that tensor of layer ``i`` in ``fmt``; ``bits``: ``bits @16-bit`` after
+    ``bits_tokens`` positions; ``measured``: decode-mode KL on the calibration windows of the result
+    and of the uniform configs it was checked against (``verify``).
     """
 
     config: KVQuantConfig
-    rungs: list[str]
+    formats: dict[str, list[str]]
     predicted_kl: float
-    format_bits: float
-    sensitivity: dict[str, list[float]]
+    bits: float
+    bits_tokens: int
+    sensitivity: dict[str, dict[str, list[float]]]
     met: bool
+    measured: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    def table(self) -> str:
+        """One line per layer: its formats and the KL each tensor adds in them."""
+        lines = ["layer  key   value   KL(key)   KL(value)"]
+        for i, (k, v) in enumerate(zip(self.formats["key"], self.formats["value"], strict=True)):
+            sk, sv = self.sensitivity["key"][k][i], self.sensitivity["value"][v][i]
+            lines.append(f"{i:5d}  {k:5s} {v:5s}  {sk:8.5f}  {sv:8.5f}")
+        return "\n".join(lines)
+
     def summary(self) -> str:
-        counts = Counter(self.rungs)
-        mix = ", ".join(f"{r} x{counts[r]}" for r in LADDER if counts.get(r))
+        mix = {t: ", ".join(f"{f} x{n}" for f, n in Counter(self.formats[t]).most_common()) for t in TENSORS}
         state = "meets" if self.met else "does NOT meet"
-        return (
-            f"{len(self.rungs)} layers: {mix}; format bits {self.format_bits:.3f}; predicted KL "
-            f"{self.predicted_kl:.4g} (simulated, additive) — {state} the budget"
+        out = (
+            f"keys: {mix['key']}; values: {mix['value']}; {self.bits:.3f} bits @16-bit at "
+            f"{self.bits_tokens} tokens; predicted KL {self.predicted_kl:.4g} (additive) — {state} the budget"
         )
+        if self.measured:
+            out += "\nmeasured on the calibration windows (decode mode): " + ", ".join(
+                f"{name} KL {kl:.4g}" for name, kl in self.measured.items()
+            )
+        return "\n".join([out, *self.notes])
+
+    def write_yaml(self, path: str | Path, header: str = "") -> str:
+        """Write the config with ``header`` and the allocation as YAML comments; returns the text."""
+        lines = [f"# {h}" if h else "#" for h in header.splitlines()]
+        lines += ["# " + line for line in self.summary().splitlines()]
+        lines += ["# " + line for line in self.table().splitlines()]
+        text = "\n".join(lines) + "\n" + self.config.to_yaml()
+        Path(path).write_text(text)
+        return text
 
 
-def _kl(base: torch.Tensor, test: torch.Tensor) -> float:
-    """Mean KL(base || test) over positions: log-probs ``[B, N, V]``."""
-    from kvquant.eval.quality import kl_per_prediction
+def build_config(base: KVQuantConfig, formats: dict[str, list[str]], name: str = "tuned") -> KVQuantConfig:
+    """``base`` with each tensor's most common format as its default and the rest as overrides."""
+    common = {t: Counter(formats[t]).most_common(1)[0][0] for t in TENSORS}
+    top = {**tensor_fields(base, "key", common["key"]), **tensor_fields(base, "value", common["value"])}
+    cfg = dataclasses.replace(base, layer_overrides={}, name=name, **top)
+    overrides: dict[int, dict[str, Any]] = {}
+    for i in range(len(formats["key"])):
+        fields = {
+            **tensor_fields(base, "key", formats["key"][i]),
+            **tensor_fields(base, "value", formats["value"][i]),
+        }
+        fields = {f: v for f, v in fields.items() if getattr(cfg, f) != v}
+        for t in TENSORS:  # a recent window that followed the default format falls back
+            rf = f"recent_{t}_format"
+            if rf not in fields and getattr(cfg, rf) != getattr(base, rf) and f"{t}_format" in fields:
+                fields[rf] = getattr(base, rf)
+        if fields:
+            overrides[i] = fields
+    return dataclasses.replace(cfg, layer_overrides=overrides)
 
-    return kl_per_prediction(base, test).mean().item()
+
+def _off(base: KVQuantConfig, which: str) -> dict[str, str]:
+    """Fields that leave ``which`` unquantized (its recent window, which cannot be off: int8)."""
+    return {f"{which}_format": "none", f"recent_{which}_format": "int8"}
+
+
+def probe_config(base: KVQuantConfig, which: str, fmt: str, main_only: bool = False) -> KVQuantConfig:
+    """One layer's config with only ``which`` (``key`` / ``value``) quantized, in ``fmt``; with
+    ``main_only`` only its main store (the recent window in int8)."""
+    other = "value" if which == "key" else "key"
+    fields = tensor_fields(base, which, fmt)
+    if main_only and base.recent_length:
+        fields[f"recent_{which}_format"] = "int8"
+    return dataclasses.replace(base, layer_overrides={}, **_off(base, other), **fields)
+
+
+class _RowGroups(CacheLayerMixin):
+    """A cache layer whose batch rows are split over several layers (``parts``: ``(start, stop,
+    layer)``, contiguous, in order): each group of rows is stored in its own format."""
+
+    is_sliding = False
+
+    def __init__(self, parts: list[tuple[int, int, Any]]):
+        super().__init__()
+        self.parts = parts
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        outs = [
+            layer.update(key_states[a:b], value_states[a:b], *args, **kwargs) for a, b, layer in self.parts
+        ]
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+    def get_seq_length(self) -> int:
+        return self.parts[0][2].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parts[0][2].get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1
 
 
 @torch.no_grad()
-def _logprobs(model: Any, ids: torch.Tensor, score_from: int, quant: KVQuantConfig | None) -> torch.Tensor:
-    from kvquant.cache import KVQuantCache
-    from kvquant.eval.decode import simulated_logprobs, single_pass_logprobs
-
-    outs = []
-    for row in ids:  # one window at a time: [1, N]
-        if quant is None:
-            outs.append(single_pass_logprobs(model, row[None], score_from))
-        else:
-            outs.append(simulated_logprobs(model, row[None], score_from, KVQuantCache(model.config, quant)))
-    return torch.cat(outs)
-
-
-def layer_sensitivity(
+def _probe_batch(
     model: Any,
-    input_ids: torch.Tensor,
+    calib: Calibration,
     base: KVQuantConfig,
-    rungs: dict[str, tuple[str, str]],
+    jobs: list[tuple[str, str, int]],
+    main_only: bool = False,
+) -> list[float]:
+    """Decode-mode KL of each job ``(tensor, format, layer)``, all in one batch: job ``g`` owns rows
+    ``g * W .. (g + 1) * W`` (the ``W`` windows), where only its tensor of its layer is quantized."""
+    from transformers import Cache, DynamicLayer
+
+    from kvquant.cache.layer import make_layer
+    from kvquant.eval.quality import kl_per_prediction
+
+    w, g_count = calib.ids.shape[0], len(jobs)
+    quantized: dict[int, dict[int, KVQuantConfig]] = {}
+    for g, (which, fmt, i) in enumerate(jobs):
+        quantized.setdefault(i, {})[g] = probe_config(base, which, fmt, main_only)
+
+    def dense(k: torch.Tensor, v: torch.Tensor) -> Any:
+        layer = DynamicLayer()
+        layer.update(k, v)
+        return layer
+
+    layers = []
+    for j, (k, v) in enumerate(calib.kv):
+        if j not in quantized:
+            layers.append(dense(k.repeat(g_count, 1, 1, 1), v.repeat(g_count, 1, 1, 1)))
+            continue
+        parts, g = [], 0
+        while g < g_count:
+            if g in quantized[j]:
+                layer = make_layer(quantized[j][g])
+                layer.update(k, v)
+                parts.append((g * w, (g + 1) * w, layer))
+                g += 1
+            else:
+                stop = g
+                while stop < g_count and stop not in quantized[j]:
+                    stop += 1
+                parts.append(
+                    (g * w, stop * w, dense(k.repeat(stop - g, 1, 1, 1), v.repeat(stop - g, 1, 1, 1)))
+                )
+                g = stop
+        layers.append(_RowGroups(parts))
+    cache = Cache(layers=layers)
+    grouped = Calibration(
+        calib.ids.repeat(g_count, 1), calib.prefix_len, None, calib.first.repeat(g_count, 1, 1)
+    )
+    kl = kl_per_prediction(calib.reference.repeat(g_count, 1, 1), _continue(model, grouped, cache))
+    return kl.view(g_count, -1).mean(-1).tolist()
+
+
+@torch.no_grad()
+def stored_error(
+    calib: Calibration, base: KVQuantConfig, which: str, fmt: str, layer: int, main_only: bool = False
+) -> float:
+    """Squared error of ``which`` (keys / values) of ``layer``'s prefix as the cache stores them in
+    ``fmt`` (every tier: sinks, main store, recent window, residual), summed over the windows."""
+    from kvquant.cache.layer import make_layer
+
+    k, v = calib.kv[layer]
+    store = make_layer(probe_config(base, which, fmt, main_only))
+    store.update(k, v)
+    keys, values = store.update(k[:, :, -1:], v[:, :, -1:])  # reads every stored token back
+    got, want = (keys, k) if which == "key" else (values, v)
+    return (got[:, :, : want.shape[2]].float() - want.float()).pow(2).sum().item()
+
+
+# KL of a tensor grows faster than the squared error of its stored prefix: on SmolLM2 (decode mode,
+# main store only) tcq2 -> tcq3 cut the KL of layer 3 by 0.107x (keys) / 0.157x (values) for 0.26x the
+# squared error, nuq4 by 0.068x (values) for 0.104x: powers 1.2-1.7
+SCALING_POWER = 1.5
+
+
+def tensor_sensitivity(
+    model: Any,
+    calib: Calibration,
+    base: KVQuantConfig,
+    formats: tuple[str, ...],
     *,
-    score_from: int,
+    measure: str = "scaled",
+    group: int = 10,
     progress: bool = False,
-) -> dict[str, list[float]]:
-    """``{rung: [KL with only layer i on that rung, for every layer i]}`` on ``input_ids[W, N]``."""
+) -> dict[str, dict[str, list[float]]]:
+    """``{tensor: {format: [decode-mode KL with only that tensor of layer i in that format]}}``.
+
+    ``measure="all"``: every (layer, tensor, format) teacher-forced through the cache (decode mode),
+    ``group`` probes per batch. ``measure="scaled"`` (``len(formats)`` times faster): each (layer,
+    tensor) is measured so with its main store in the coarsest format of the menu (its recent window
+    in int8), and its KL in format ``f`` is that KL times ``(e_f / e_coarse) ** SCALING_POWER``,
+    ``e`` the squared error of the calibration prefix as the cache stores it (``e_f``: every tier,
+    the recent window included; ``e_coarse``: the main store's alone).
+    """
     from tqdm.auto import tqdm
 
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    reference = _logprobs(model, input_ids, score_from, None)
-    off = {i: {"key_format": "none", "value_format": "none"} for i in range(layers)}
-    out: dict[str, list[float]] = {r: [0.0] * layers for r in rungs}
-    jobs = [(r, i) for r in rungs for i in range(layers)]
-    for rung, i in tqdm(jobs, desc="layer sensitivity", disable=not progress):
-        k_fmt, v_fmt = rungs[rung]
-        over = dict(off)
-        over[i] = {"key_format": k_fmt, "value_format": v_fmt}
-        quant = dataclasses.replace(base, layer_overrides=over)
-        out[rung][i] = _kl(reference, _logprobs(model, input_ids, score_from, quant))
+    if measure not in ("scaled", "all"):
+        raise ValueError(f"measure: invalid value {measure!r}; allowed: scaled, all")
+    if calib.kv is None:
+        raise ValueError("model: the tuner needs every layer to keep the whole prefix (no sliding windows)")
+    layers = _geometry(model.config)[0]
+    out = {t: {f: [0.0] * layers for f in formats} for t in TENSORS}
+    coarse = min(formats, key=lambda f: format_bits(probe_config(base, "key", f), "key", 64))
+    probed = formats if measure == "all" else (coarse,)
+    jobs = [(t, f, i) for f in probed for t in TENSORS for i in range(layers)]
+    batches = [jobs[a : a + group] for a in range(0, len(jobs), group)]
+    scaled = measure == "scaled"
+    for batch in tqdm(
+        batches, desc=f"sensitivity (decode mode, {group} probes a batch)", disable=not progress
+    ):
+        for (t, f, i), kl in zip(batch, _probe_batch(model, calib, base, batch, scaled), strict=True):
+            out[t][f][i] = kl
+    if scaled:
+        for t in TENSORS:
+            for i in range(layers):
+                unit = max(stored_error(calib, base, t, coarse, i, main_only=True), 1e-30)
+                kl = out[t][coarse][i]
+                for f in formats:
+                    out[t][f][i] = kl * (stored_error(calib, base, t, f, i) / unit) ** SCALING_POWER
     return out
 
 
-def allocate(
-    sensitivity: dict[str, list[float]],
-    bits: dict[str, float],
-    *,
-    budget_kl: float | None = None,
-    budget_bits: float | None = None,
-) -> tuple[list[str], bool]:
-    """Greedy allocation (see the module docstring): ``(rung per layer, whether the budget is met)``.
+def save_sensitivity(path: str | Path, sensitivity: dict[str, dict[str, list[float]]]) -> None:
+    """Write measurements as JSON (reload with :func:`load_sensitivity`)."""
+    import json
 
-    ``bits[rung]`` is the rung's bits per element; exactly one of the budgets must be given.
-    """
-    if (budget_kl is None) == (budget_bits is None):
-        raise ValueError("budget: give exactly one of budget_kl or budget_bits")
-    order = sorted(bits, key=lambda r: bits[r])
-    n = len(next(iter(sensitivity.values())))
-    level = [0] * n  # index into `order` per layer
-
-    def total_kl() -> float:
-        return sum(sensitivity[order[level[i]]][i] for i in range(n))
-
-    def mean_bits() -> float:
-        return sum(bits[order[level[i]]] for i in range(n)) / n
-
-    if budget_bits is not None and mean_bits() > budget_bits + 1e-9:
-        return [order[0]] * n, False
-    while True:
-        if budget_kl is not None and total_kl() <= budget_kl:
-            return [order[j] for j in level], True
-        best, best_gain = None, 0.0
-        for i in range(n):
-            here = sensitivity[order[level[i]]][i]
-            for j in range(level[i] + 1, len(order)):
-                added = (bits[order[j]] - bits[order[level[i]]]) / n
-                if budget_bits is not None and mean_bits() + added > budget_bits + 1e-9:
-                    continue
-                gain = (here - sensitivity[order[j]][i]) / max(added, 1e-12)
-                if gain > best_gain:
-                    best, best_gain = (i, j), gain
-        if best is None:  # nothing left that helps (or fits)
-            met = budget_bits is not None or total_kl() <= budget_kl
-            return [order[j] for j in level], met
-        level[best[0]] = best[1]
+    Path(path).write_text(json.dumps(sensitivity, indent=1))
 
 
-def build_config(base: KVQuantConfig, rungs: list[str], ladder: dict[str, tuple[str, str]]) -> KVQuantConfig:
-    """``base`` with the most common rung as its formats and the other layers as overrides."""
-    common = Counter(rungs).most_common(1)[0][0]
-    k_fmt, v_fmt = ladder[common]
-    overrides = {
-        i: {"key_format": ladder[r][0], "value_format": ladder[r][1]}
-        for i, r in enumerate(rungs)
-        if r != common
-    }
-    return dataclasses.replace(base, key_format=k_fmt, value_format=v_fmt, layer_overrides=overrides)
+def load_sensitivity(
+    path: str | Path, formats: tuple[str, ...], layers: int
+) -> dict[str, dict[str, list[float]]]:
+    """Measurements written by :func:`save_sensitivity`; ``ValueError`` if they miss a format or layer."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    for t in TENSORS:
+        for f in formats:
+            got = data.get(t, {}).get(f)
+            if not isinstance(got, list) or len(got) != layers:
+                raise ValueError(f"sensitivity: {str(path)!r} holds no {t} {f} for {layers} layers")
+    return data
+
+
+def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
+    """The menu without repeats; ``ValueError`` naming the first format that is not a quantized one."""
+    allowed = ", ".join(n for n in FORMAT_NAMES if n != "none")
+    if not formats:
+        raise ValueError(f"formats: empty; allowed: {allowed}")
+    for f in formats:
+        if f not in FORMAT_NAMES or f == "none":
+            raise ValueError(f"formats: invalid value {f!r}; allowed: {allowed}")
+    return tuple(dict.fromkeys(formats))
 
 
 def tune(
     model: Any,
-    input_ids: torch.Tensor,
+    calib: Calibration,
     *,
-    budget_kl: float | None = None,
     budget_bits: float | None = None,
+    budget_kl: float | None = None,
     base: KVQuantConfig | str | None = None,
-    ladder: dict[str, tuple[str, str]] | None = None,
-    score_from: int | None = None,
+    formats: tuple[str, ...] = MENU,
+    bits_tokens: int | None = None,
+    verify: bool = True,
+    sensitivity: dict[str, dict[str, list[float]]] | None = None,
+    measure: str = "scaled",
     progress: bool = False,
 ) -> TuneResult:
-    """Measure per-layer sensitivity on ``input_ids[W, N]`` and allocate rungs to meet the budget.
+    """Per-layer key / value formats for ``calib``'s windows (see the module docstring).
 
     Args:
-        budget_kl: largest predicted mean KL; the cheapest allocation meeting it is returned.
-        budget_bits: largest mean format bits per element; the lowest-KL allocation within it.
-        base: shared settings (rotation, smoothing, sinks, residual, groups); default
+        budget_bits: largest ``bits @16-bit`` (everything the cache holds after ``bits_tokens``).
+        budget_kl: largest predicted mean KL; the fewest bits meeting it. Exactly one budget.
+        base: shared settings (rotation, smoothing, groups, scales, sinks, windows); default
             :data:`DEFAULT_BASE`. Its ``layer_overrides`` are ignored.
-        ladder: ``{rung: (key_format, value_format)}``; default :data:`LADDER`.
-        score_from: first scored position of each window (default: half the window).
+        formats: the menu, each a quantized format of :data:`kvquant.formats.FORMAT_NAMES`.
+        bits_tokens: positions at which bits are counted (default: the end of a window).
+        verify: measure the result and the best uniform configs within its bits jointly and keep
+            the lowest (decode mode, calibration windows).
+        sensitivity: reuse a previous result's measurements (same model, windows, base, menu).
+        measure: ``scaled`` or ``all`` (see :func:`tensor_sensitivity`).
     """
     base_cfg = DEFAULT_BASE if base is None else KVQuantConfig.resolve(base)
     base_cfg = dataclasses.replace(base_cfg, layer_overrides={}, name="tuned")
-    ladder = dict(LADDER if ladder is None else ladder)
-    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
-        raise ValueError(f"input_ids: expected [windows, tokens >= 2], got {tuple(input_ids.shape)}")
-    score_from = input_ids.shape[1] // 2 if score_from is None else score_from
-    text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    bits = {r: rung_bits(base_cfg, f, head_dim) for r, f in ladder.items()}
-    sens = layer_sensitivity(model, input_ids, base_cfg, ladder, score_from=score_from, progress=progress)
-    rungs, met = allocate(sens, bits, budget_kl=budget_kl, budget_bits=budget_bits)
-    predicted = sum(sens[r][i] for i, r in enumerate(rungs))
-    fmt_bits = sum(bits[r] for r in rungs) / len(rungs)
-    notes = [] if met else ["even the most precise rung on every layer misses the KL budget"]
-    return TuneResult(build_config(base_cfg, rungs, ladder), rungs, predicted, fmt_bits, sens, met, notes)
+    formats = check_formats(formats)
+    if base_cfg.key_axis != "token":
+        raise ValueError(f"base: key_axis {base_cfg.key_axis!r}; the tuner needs 'token'")
+    layers, heads, head_dim = _geometry(model.config)
+    tokens = calib.ids.shape[1] - 1 if bits_tokens is None else bits_tokens
+    if tokens < 1:
+        raise ValueError(f"bits_tokens: expected an integer >= 1, got {tokens}")
+    ref, costs = tensor_costs(base_cfg, formats, heads, head_dim, tokens)
+    fp16 = tokens * heads * head_dim * 2 * 2  # 16-bit K + V bytes of one layer
+    sens = sensitivity or tensor_sensitivity(
+        model, calib, base_cfg, formats, measure=measure, progress=progress
+    )
+    items = [{f: (costs[t][f], sens[t][f][i]) for f in formats} for i in range(layers) for t in TENSORS]
+    budget_cost = None if budget_bits is None else budget_bits * layers * fp16 / 16 - layers * ref
+    choice, met = allocate(items, budget_cost=budget_cost, budget_kl=budget_kl)
+    chosen = {t: choice[j::2] for j, t in enumerate(TENSORS)}
+    cfg = build_config(base_cfg, chosen)
+    predicted = sum(sens[t][chosen[t][i]][i] for t in TENSORS for i in range(layers))
+    result = TuneResult(cfg, chosen, predicted, config_bits(cfg, model.config, tokens), tokens, sens, met)
+    if not met:
+        result.notes.append("the budget is out of the menu's reach: the nearest allocation is returned")
+    if verify and met:
+        _verify(model, calib, base_cfg, formats, costs, ref, fp16, layers, result)
+    return result
+
+
+def _verify(model, calib, base, formats, costs, ref, fp16, layers, result) -> None:  # noqa: ANN001
+    """Measure the result and the (up to two) best-predicted uniform configs within its bits; keep
+    the lowest."""
+    uniform = []
+    for k in formats:
+        for v in formats:
+            bits = 16 * (ref + costs["key"][k] + costs["value"][v]) / fp16
+            if bits <= result.bits + 1e-9:
+                pred = sum(result.sensitivity["key"][k]) + sum(result.sensitivity["value"][v])
+                uniform.append((pred, k, v))
+    result.measured["tuned"] = best = decode_kl(model, calib, result.config)
+    for _, k, v in sorted(uniform)[:2]:
+        chosen = {"key": [k] * layers, "value": [v] * layers}
+        cfg = build_config(base, chosen)
+        kl = result.measured[f"uniform {k}/{v}"] = decode_kl(model, calib, cfg)
+        if kl < best:
+            best = kl
+            result.config, result.formats = cfg, chosen
+            result.predicted_kl = sum(result.sensitivity["key"][k]) + sum(result.sensitivity["value"][v])
+            result.bits = config_bits(cfg, model.config, result.bits_tokens)
+            result.notes.append(f"the uniform {k}/{v} measured lower than the allocation: returned instead")

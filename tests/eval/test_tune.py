@@ -1,101 +1,234 @@
-"""`kvquant tune`: the allocation rule on hand-made sensitivities, the whole search on a tiny model,
-and the CLI end to end."""
+"""`kvquant tune`: the exact allocation, the decode-mode measurement (equal to the eval's), the
+bits accounting (equal to the eval's), the tuner beating every uniform config on a tiny model whose
+layers differ in sensitivity, and the CLI end to end with its input checks."""
 
-import re
+import dataclasses
+import itertools
+import json
+import random
 
 import pytest
 import torch
 import yaml
+from transformers import DynamicCache
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.tools.cli import main
-from kvquant.tools.tune import DEFAULT_BASE, LADDER, allocate, build_config, rung_bits, tune
+from kvquant.eval.decode import teacher_forced_logprobs
+from kvquant.memory import layer_bytes
+from kvquant.models import tiny_model
+from kvquant.tools.cli import _TUNE_MENU, main
+from kvquant.tools.tune import (
+    DEFAULT_BASE,
+    MENU,
+    _layer_cfg,
+    _probe_batch,
+    allocate,
+    build_config,
+    config_bits,
+    decode_kl,
+    prefill,
+    probe_config,
+    tensor_costs,
+    tune,
+)
 
-BITS = {"lo": 2.0, "mid": 3.0, "hi": 4.0}
-# layer 0 is sensitive, layer 1 barely, layer 2 in between
-SENS = {"lo": [0.50, 0.02, 0.10], "mid": [0.10, 0.01, 0.03], "hi": [0.01, 0.005, 0.01]}
-
-
-def test_allocate_meets_a_kl_budget_with_the_cheapest_upgrades():
-    rungs, met = allocate(SENS, BITS, budget_kl=0.2)
-    assert met and rungs == ["hi", "lo", "lo"]  # one upgrade, on the layer that gains most per bit
-    assert sum(SENS[r][i] for i, r in enumerate(rungs)) <= 0.2
-    rungs, met = allocate(SENS, BITS, budget_kl=0.08)
-    assert met and rungs == ["hi", "lo", "mid"]
-    rungs, met = allocate(SENS, BITS, budget_kl=1e-4)  # out of reach: everything on the top rung
-    assert not met and rungs == ["hi", "hi", "hi"]
-
-
-def test_allocate_within_a_bits_budget():
-    rungs, met = allocate(SENS, BITS, budget_bits=2.0)
-    assert met and rungs == ["lo", "lo", "lo"]
-    rungs, met = allocate(SENS, BITS, budget_bits=8 / 3)  # room for two extra bits in total
-    assert met and rungs == ["hi", "lo", "lo"]
-    assert sum(BITS[r] for r in rungs) / 3 <= 8 / 3 + 1e-9
-    _, met = allocate(SENS, BITS, budget_bits=1.5)  # below the cheapest rung
-    assert not met
-    with pytest.raises(ValueError, match="budget: give exactly one"):
-        allocate(SENS, BITS)
-    with pytest.raises(ValueError, match="budget: give exactly one"):
-        allocate(SENS, BITS, budget_kl=0.1, budget_bits=3)
+# a base the tiny windows (48 + 12 tokens) exercise in every tier
+BASE = dataclasses.replace(DEFAULT_BASE, recent_length=8, sink_tokens=2, residual_length=2)
+SMALL_MENU = ("tcq2", "tcq3", "nuq4")
 
 
-def test_rung_bits_and_config_building():
-    assert rung_bits(DEFAULT_BASE, ("nuq4", "nuq2"), 64) == pytest.approx((4.25 + 2.25) / 2)
-    assert rung_bits(DEFAULT_BASE, ("int4", "int4"), 64) == pytest.approx(4.5)  # scale + zero point
-    cfg = build_config(DEFAULT_BASE, ["k4v4", "k2v2", "k2v2"], LADDER)
-    assert (cfg.key_format, cfg.value_format) == LADDER["k2v2"]
-    assert cfg.layer_overrides == {0: {"key_format": "nuq4", "value_format": "nuq4"}}
-    assert cfg.for_layer(0, 3).key_format == "nuq4" and cfg.for_layer(2, 3).key_format == "nuq2"
+@pytest.fixture(scope="module")
+def skewed():
+    """A tiny llama (4 layers) whose layers differ in sensitivity: layer 1's attention output is
+    scaled up 6x, layer 3's down 4x."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.mul_(6.0)
+        model.model.layers[3].self_attn.o_proj.weight.mul_(0.25)
+    return model
 
 
-def test_tune_on_a_tiny_model(tiny):
-    ids = torch.randint(0, 100, (2, 48), generator=torch.Generator().manual_seed(0))
-    loose = tune(tiny, ids, budget_kl=1.0)
-    assert loose.met and set(loose.rungs) == {"k2v2"}  # everything cheap meets a loose budget
-    n = tiny.config.num_hidden_layers
-    assert all(len(v) == n for v in loose.sensitivity.values())
-    # per layer, 8-bit costs less KL than 2-bit (the measurement sees the bits)
-    assert all(loose.sensitivity["k8v8"][i] < loose.sensitivity["k2v2"][i] for i in range(n))
-    budget = min(loose.sensitivity["k2v2"]) * 0.5  # forces upgrades on every layer
-    tight = tune(tiny, ids, budget_kl=budget)
-    assert tight.met and tight.predicted_kl <= budget
-    assert tight.format_bits > loose.format_bits
-    KVQuantCache(tiny.config, tight.config)  # a config a cache accepts
+def _windows(seed: int) -> torch.Tensor:
+    return torch.randint(4, 128, (2, 60), generator=torch.Generator().manual_seed(seed))
 
 
-def test_tune_cli_writes_a_loadable_config(tiny_model_dir, tmp_path, capsys):
-    out = tmp_path / "tuned.yaml"
-    code = main(
-        [
-            "tune",
-            "--model",
-            str(tiny_model_dir),
-            "--budget-bits",
-            "3",
-            "--window-len",
-            "64",
-            "--windows",
-            "1",
-            "--out",
-            str(out),
-            "--no-progress",
+def test_allocate_is_the_exact_knapsack():
+    rng = random.Random(0)
+    for _ in range(30):
+        items = [
+            {f"o{j}": (rng.choice([0, 1, 2, 4]), rng.random()) for j in range(rng.randint(1, 3))}
+            for _ in range(rng.randint(1, 5))
         ]
+        budget = rng.uniform(0, 8)
+        feasible = [
+            combo
+            for combo in itertools.product(*(list(o) for o in items))
+            if sum(items[i][c][0] for i, c in enumerate(combo)) <= budget
+        ]
+        choice, met = allocate(items, budget_cost=budget)
+        assert met == bool(feasible)
+        if feasible:
+            best = min(sum(items[i][c][1] for i, c in enumerate(combo)) for combo in feasible)
+            assert sum(items[i][c][0] for i, c in enumerate(choice)) <= budget
+            assert sum(items[i][c][1] for i, c in enumerate(choice)) == pytest.approx(best)
+    items = [{"lo": (1, 0.5), "hi": (3, 0.1)}, {"lo": (1, 0.2), "hi": (3, 0.15)}]
+    assert allocate(items, budget_kl=0.4) == (["hi", "lo"], True)  # the cheapest meeting the KL
+    assert allocate(items, budget_kl=0.01) == (["hi", "hi"], False)
+    with pytest.raises(ValueError, match="budget: give exactly one"):
+        allocate(items)
+
+
+def test_costs_add_up_and_bits_match_the_eval():
+    ref, costs = tensor_costs(BASE, MENU, heads=2, head_dim=16, tokens=59)
+    for k, v in itertools.product(MENU, MENU):  # a layer's bytes: one cost per tensor
+        assert (
+            layer_bytes(_layer_cfg(BASE, k, v), 59, 1, 2, 16, 2)["total"]
+            == ref + costs["key"][k] + costs["value"][v]
+        )
+    assert costs["key"]["tcq2"] < costs["key"]["tcq3"] < costs["key"]["nuq4"] < costs["key"]["int8"]
+    # int8 takes the recent window along (it has more bits than the window's nuq4)
+    assert _layer_cfg(BASE, "int8", "tcq2").recent_key_format == "int8"
+    assert _layer_cfg(BASE, "tcq3", "tcq2").recent_key_format == "nuq4"
+    # the eval's bits @16-bit of a real cache after a window equal the tuner's count
+    model = tiny_model("llama")
+    cfg = build_config(BASE, {"key": ["tcq3", "int8"], "value": ["tcq2", "nuq4"]})
+    cache = KVQuantCache(model.config, cfg)
+    teacher_forced_logprobs(model, _windows(0)[:1], 48, cache)
+    from kvquant.eval.caches import cache_nbytes_16bit
+
+    held = 16 * cache_nbytes_16bit(cache) / (59 * 2 * 2 * 16 * 2 * 2)
+    assert config_bits(cfg, model.config, 59) == pytest.approx(held)
+
+
+def test_decode_measurement_is_the_evals(skewed):
+    ids = _windows(1)
+    calib = prefill(skewed, ids, 48)
+    cfg = build_config(BASE, {"key": ["tcq2", "nuq4", "tcq3", "tcq2"], "value": ["tcq3"] * 4})
+    base = torch.cat(
+        [teacher_forced_logprobs(skewed, w[None], 48, DynamicCache(config=skewed.config)) for w in ids]
     )
+    test = torch.cat(
+        [teacher_forced_logprobs(skewed, w[None], 48, KVQuantCache(skewed.config, cfg)) for w in ids]
+    )
+    from kvquant.eval.quality import kl_per_prediction
+
+    assert torch.allclose(calib.reference, base, atol=1e-4)
+    assert decode_kl(skewed, calib, cfg) == pytest.approx(
+        kl_per_prediction(base, test).mean().item(), rel=1e-3
+    )
+    # the batched probes (several configs in one batch) equal one cache per probe
+    jobs = [("key", "tcq2", 1), ("value", "tcq2", 1), ("key", "nuq4", 0)]
+    batched = _probe_batch(skewed, calib, BASE, jobs)
+    for (which, fmt, i), kl in zip(jobs, batched, strict=True):
+        over = {j: {"key_format": "none", "value_format": "none"} for j in range(4)}
+        one = dataclasses.replace(probe_config(BASE, which, fmt), layer_overrides={})
+        over[i] = {
+            f: getattr(one, f)
+            for f in ("key_format", "value_format", "recent_key_format", "recent_value_format")
+        }
+        cfg = dataclasses.replace(
+            BASE, recent_key_format="int8", recent_value_format="int8", layer_overrides=over
+        )
+        assert kl == pytest.approx(decode_kl(skewed, calib, cfg), rel=2e-2)  # batch-size rounding
+    assert batched[0] > 0 and batched[0] > batched[2]
+
+
+def test_tuned_beats_every_uniform_config_on_held_out_windows(skewed):
+    calib = prefill(skewed, _windows(2), 48)
+    held_out = prefill(skewed, _windows(3), 48)
+    lo = config_bits(build_config(BASE, {"key": ["tcq2"] * 4, "value": ["tcq2"] * 4}), skewed.config, 59)
+    hi = config_bits(build_config(BASE, {"key": ["tcq3"] * 4, "value": ["tcq3"] * 4}), skewed.config, 59)
+    budget = (lo + hi) / 2
+    result = tune(
+        skewed, calib, budget_bits=budget, base=BASE, formats=SMALL_MENU, measure="all", verify=False
+    )
+    assert result.met and result.bits <= budget + 1e-9
+    assert result.bits == pytest.approx(config_bits(result.config, skewed.config, 59))
+    # the sensitive layer gets the bits, the muted one the fewest
+    rank = {"tcq2": 0, "tcq3": 1, "nuq4": 2}
+    assert rank[result.formats["key"][1]] >= rank[result.formats["key"][3]]
+    assert rank[result.formats["value"][1]] > rank[result.formats["value"][3]]
+    tuned = decode_kl(skewed, held_out, result.config)
+    for k, v in itertools.product(SMALL_MENU, SMALL_MENU):
+        uniform = build_config(BASE, {"key": [k] * 4, "value": [v] * 4})
+        if config_bits(uniform, skewed.config, 59) <= budget:
+            assert tuned < decode_kl(skewed, held_out, uniform), (k, v)
+    KVQuantCache(skewed.config, result.config)  # a config a cache accepts
+
+
+def test_scaled_sensitivity_tracks_the_full_measurement(skewed):
+    calib = prefill(skewed, _windows(4), 48)
+    scaled = tune(skewed, calib, budget_bits=3.0, base=BASE, formats=SMALL_MENU, verify=False)
+    full = tune(skewed, calib, budget_bits=3.0, base=BASE, formats=SMALL_MENU, measure="all", verify=False)
+    for t in ("key", "value"):
+        s, f = scaled.sensitivity[t]["tcq3"], full.sensitivity[t]["tcq3"]
+        assert max(range(4), key=s.__getitem__) == max(range(4), key=f.__getitem__)  # same worst layer
+        assert all(scaled.sensitivity[t]["nuq4"][i] < scaled.sensitivity[t]["tcq2"][i] for i in range(4))
+
+
+def test_tune_cli_writes_a_commented_loadable_config(tiny_model_dir, tmp_path, capsys):
+    out, sens = tmp_path / "tuned.yaml", tmp_path / "sens.json"
+    assert _TUNE_MENU == ",".join(MENU)
+    args = ["tune", "--model", str(tiny_model_dir), "--budget-bits", "5", "--windows", "1"]
+    args += ["--prefix-len", "40"]  # 47 tokens held: the full-precision tiers weigh, 4.2-5 bits
+    args += ["--score-len", "8", "--formats", "tcq2,tcq3", "--sensitivity", str(sens), "--out", str(out)]
+    args += ["--base", str(_write(tmp_path / "base.yaml", BASE)), "--no-progress"]
+    code = main(args)
     text = capsys.readouterr().out
     assert code == 0, text
     cfg = KVQuantConfig.from_yaml(out)
-    assert yaml.safe_load(out.read_text())["smoothing"] == "mean"
-    assert "meets the budget" in text and f"wrote {out}" in text
-    layers = sum(1 for line in text.splitlines() if re.match(r"\s*\d+\s+k\dv\d\s", line))
-    assert layers == 2  # one table row per layer of the tiny llama
-    assert cfg.name == "tuned"
+    assert cfg.smoothing == "mean" and cfg.name == "tuned"
+    assert "meets the budget" in text and f"wrote {out}" in text and "measured on the calibration" in text
+    body = out.read_text()
+    assert body.startswith("# kvquant tune --budget-bits 5.0") and "#     1  tcq" in body
+    assert yaml.safe_load(body)["key_format"] in ("tcq2", "tcq3")
+    assert set(json.loads(sens.read_text())) == {"key", "value"}
+    args[args.index("5")] = "4.3"  # a tighter budget on the same measurements (reused, not redone)
+    assert main(args + ["--no-verify"]) == 0
+    assert "tcq2" in capsys.readouterr().out
 
 
-def test_tune_cli_bad_input_is_one_line(tmp_path, capsys):
-    code = main(["tune", "--budget-kl", "0.1", "--windows", "0", "--out", str(tmp_path / "x.yaml")])
+def _write(path, cfg):
+    cfg.to_yaml(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--budget-kl", "0.1", "--windows", "0"], "--windows: expected an integer >= 1"),
+        (["--budget-bits", "3", "--formats", "tcq2,int9"], "--formats: invalid value 'int9'"),
+        (["--budget-bits", "3", "--formats", "none"], "--formats: invalid value 'none'"),
+        (["--budget-bits", "3", "--score-len", "1"], "--score-len: expected an integer >= 2"),
+        (["--budget-bits", "0"], "--budget-bits"),
+        (["--budget-bits", "3", "--measure", "some"], "--measure"),
+    ],
+)
+def test_tune_cli_bad_input_is_one_line(tmp_path, capsys, extra, message):
+    code = main(["tune", *extra, "--out", str(tmp_path / "x.yaml")])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("kvquant tune: error: --windows: expected an integer >= 1")
+    assert code == 2 and message in err and err.startswith("kvquant tune: error:")
     assert err.count("\n") == 1
-    assert main(["tune", "--out", "x.yaml"]) == 2  # a budget is required
+
+
+def test_tune_cli_needs_a_budget(capsys):
+    assert main(["tune", "--out", "x.yaml"]) == 2
     assert "--budget-kl" in capsys.readouterr().err
+
+
+def test_a_tuned_mix_decodes_on_the_fused_cpu_path():
+    """Every format the tuner picks, mixed per layer and tensor, is read by the fused kernels: the
+    `kvquant` attention gives the log-probs of the dequantizing path."""
+    import kvquant
+
+    cfg = build_config(
+        BASE, {"key": ["tcq2", "nuq4", "int8", "nuq3"], "value": ["tcq3", "nuq2", "tcq2", "int8"]}
+    )
+    ids = _windows(5)[:1]
+    model = tiny_model("llama", num_hidden_layers=4)
+    plain = teacher_forced_logprobs(model, ids, 48, KVQuantCache(model.config, cfg))
+    kvquant.enable(model)
+    cache = KVQuantCache(model.config, cfg)
+    fused = teacher_forced_logprobs(model, ids, 48, cache)
+    assert cache.uses_views()
+    assert torch.allclose(plain, fused, atol=2e-3)
