@@ -211,3 +211,11 @@ def test_shared_prefill_passkey_gives_each_cache_its_own_answers(tiny, byte_tok)
         tiny(input_ids=ids, cache=alone, use_cache=True)
     for a, b in zip(fanned.layers, alone.layers, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a.read_history(), b.read_history(), strict=True))
+
+
+def test_free_run_counts_in_the_run_identity_only_when_enabled():
+    off, on = EvalConfig(), load_config(None, {"free_run.enabled": True})
+    assert "free_run" not in off.identity() and on.identity()["free_run"]["tokens"] == 256
+    assert off.identity_hash() != on.identity_hash()
+    with pytest.raises(EvalError, match="free_run.tokens: invalid value 0"):
+        load_config(None, {"free_run.tokens": 0})
