@@ -18,7 +18,7 @@ quality numbers it measures anyway) print the same line. A config is risky when 
   at least +5% perplexity, and greedy output that differs every ~10 tokens drifts within a sentence.
 
 A short check is noisy: over ``n`` scored tokens top-1 has a binomial standard error of about
-``sqrt(0.9 * 0.1 / n)`` (3.75 points at n = 64), which the warning states.
+``sqrt(0.9 * 0.1 / n)`` (3.1 points at n = 96), which the warning states.
 
 Example:
     >>> res = preflight(model, tok, "nuq2")                   # a CacheSpec or a spec string
@@ -50,7 +50,7 @@ MAX_KL = 0.02
 MIN_TOP1 = 0.90
 PREFIX_LEN = 256
 SCORE_LEN = 32
-WINDOWS = 2
+WINDOWS = 3
 
 
 def risk_reasons(

@@ -59,7 +59,7 @@ def run(
     )
     for line in format_result(res):
         print(line)
-    warning = risk_warning(res["quality"], spec.name, label)
+    warning = risk_warning(res["quality"], spec.name, model_name or "smollm2")
     if warning:
         print(warning)
     else:

@@ -123,7 +123,7 @@ def run(
         f"{100 * res['top1_agreement']:.1f}%, ppl {res['ppl_base']:.3f} -> {res['ppl']:.3f} "
         f"over {res['tokens']} tokens"
     )
-    warning = risk_warning(res, preset, weights_label(model_name))
+    warning = risk_warning(res, preset, model_name or "smollm2")
     if check:
         pre = preflight(model, tok, preset)
         q = pre["quality"]
@@ -132,7 +132,7 @@ def run(
             f"tokens of the embedded corpus)\n  mean KL {q['kl_mean']:.4f}, top-1 {100 * q['top1_agreement']:.1f}%, "
             f"Δppl {100 * q['delta_ppl_rel']:+.2f}% over {q['tokens']} tokens"
         )
-        warning = warning or risk_warning(q, preset, weights_label(model_name))
+        warning = warning or risk_warning(q, preset, model_name or "smollm2")
     if warning:
         print(warning)
     return 0

@@ -52,7 +52,7 @@ def test_demo_prints_the_shared_risk_warning(monkeypatch, capsys, tiny_model_dir
     monkeypatch.setattr(preflight, "MAX_KL", 0.0)  # any logit change is "risky"
     assert demo.run(str(tiny_model_dir), "Hello there.", 4, "int4", check=True) == 0
     out = capsys.readouterr().out
-    assert "preflight (kvquant check: 2 windows of 256 + 32 tokens of the embedded corpus)" in out
+    assert "preflight (kvquant check: 3 windows of 256 + 32 tokens of the embedded corpus)" in out
     warned = [line for line in out.splitlines() if line.startswith("warning: cache int4 is risky for ")]
     assert len(warned) == 1 and "mean KL" in warned[0]
     monkeypatch.setattr(preflight, "MAX_KL", 1e9)
