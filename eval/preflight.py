@@ -45,6 +45,7 @@ from kvquant.eval.config import CorpusSection, EvalError
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.decode import teacher_forced_logprobs
 from kvquant.eval.quality import compare
+from kvquant.eval.runner import check_context, model_max_context
 
 MAX_KL = 0.02
 MIN_TOP1 = 0.90
@@ -124,9 +125,11 @@ def preflight(
                 f"{name}: expected an integer >= {2 if name == 'score_len' else 1}, got {value!r}"
             )
     spec = resolve_spec(cache) if isinstance(cache, str) else cache
+    check_context("prefix_len + score_len", prefix_len + score_len, model_max_context(model))
     start = time.perf_counter()
-    text = load_corpus(corpus or CorpusSection()).text
-    ids = make_windows(tokenize(tokenizer, text), prefix_len, score_len, windows, "embedded")  # [W, P + D]
+    corpus = corpus or CorpusSection()
+    text = load_corpus(corpus).text
+    ids = make_windows(tokenize(tokenizer, text), prefix_len, score_len, windows, corpus.name)  # [W, P + D]
     dynamic = resolve_spec("dynamic")
     base, test, held = [], [], None
     for window in ids:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvquant.eval.caches import resolve_spec
 from kvquant.eval.preflight import MAX_KL, MIN_TOP1, preflight, risk_warning
+from kvquant.eval.runner import check_context, model_max_context
 from kvquant.models import load_model, weights_label
 from kvquant.tools.arguments import flagged
 
@@ -50,6 +51,7 @@ def run(
     model, tok = flagged("--model", load_model, model_name)
     label = weights_label(model_name)
     print(f"loaded {label} in {time.perf_counter() - start:.1f} s")
+    check_context("--prefix-len + --tokens", prefix_len + score_len, model_max_context(model))
     print(
         f"check {spec.name}: {windows} window(s) of {prefix_len} prefilled + {score_len} teacher-forced "
         "tokens of the embedded corpus, decode mode, against DynamicCache"

@@ -67,6 +67,16 @@ def test_cli_check_prints_and_exit_status(tiny_model_dir, capsys, monkeypatch):
 def test_cli_check_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, extra, needle):
     assert main(["check", "--model", str(tiny_model_dir), *extra]) == 2
     err = capsys.readouterr().err
-    lines = [x for x in err.strip().splitlines() if not x.startswith("Loading weights")]  # HF's bar
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("Loading weights")]  # HF's bar
     assert len(lines) == 1 and lines[0].startswith("kvquant check: error: ") and needle in lines[0], err
     assert "Traceback" not in err
+
+
+def test_cli_check_context_beyond_the_model_is_one_line(tiny_model_dir, capsys):
+    assert main(["check", "--model", str(tiny_model_dir), "--cache", "int4", "--prefix-len", "100000"]) == 2
+    err = [
+        x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith("Loading weights")
+    ]
+    assert len(err) == 1 and "error: --prefix-len + --tokens: context of 100032 tokens is beyond" in err[0], (
+        err
+    )
