@@ -50,7 +50,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="also run kvquant check's corpus preflight (about 20 s); the demo warns from its own "
+        help="also run kvquant check's corpus preflight (about 20-25 s); the demo warns from its own "
         "quality numbers either way",
     )
     p.set_defaults(func=_cmd_demo)

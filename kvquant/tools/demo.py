@@ -5,7 +5,7 @@ full-precision continuation is fed back token by token through each cache (teach
 next-token distributions are compared (KL divergence, top-1 agreement). When those numbers make the
 config risky (:func:`kvquant.eval.preflight.risk_warning`, the line ``kvquant check`` and ``kvquant
 sweep`` print) the demo prints the warning: free, from numbers it measures anyway. ``--check`` runs
-``kvquant check``'s corpus preflight too (about 20 s more on a 2-core CPU; off by default).
+``kvquant check``'s corpus preflight too (about 20-25 s more on a 2-core CPU; off by default).
 """
 
 from __future__ import annotations
