@@ -32,7 +32,7 @@ import yaml
 
 MODES = ("decode", "simulated")
 DTYPES = ("float32", "float16", "bfloat16")
-TASKS = ("quality", "memory", "speed", "retrieval")
+TASKS = ("quality", "memory", "speed", "retrieval", "free_run")
 
 C = TypeVar("C")
 
@@ -216,6 +216,22 @@ class RetrievalSection(Task):
 
 
 @dataclass
+class FreeRunSection(Task):
+    """Free-running generation (:mod:`kvquant.eval.free_run`): each cache generates greedily on its own
+    and the full-precision model scores what it wrote. Off by default (``tokens`` decode steps per cache
+    and prompt: about 10-20 s per cache on a 2-core CPU with the embedded model)."""
+
+    enabled: bool = opt(False, "run this task (off by default)")
+    tokens: int = opt(256, "greedy tokens each cache generates per prompt")
+    prompt_len: int = opt(256, "prompt tokens, taken from the corpus")
+    prompts: int = opt(1, "prompts, evenly spaced over the corpus")
+
+    def check(self, where: str) -> None:
+        for key in ("tokens", "prompt_len", "prompts"):
+            check_int(f"{where}.{key}", getattr(self, key), 1)
+
+
+@dataclass
 class Timing:
     """How one speed point is timed: ``kvquant eval``'s speed section and the sweep's."""
 
@@ -266,6 +282,7 @@ class EvalConfig:
     caches: list[str] = opt(["dynamic", "int8", "int4"], CACHES_HELP, "--cache")
     quality: QualitySection = field(default_factory=QualitySection)
     retrieval: RetrievalSection = field(default_factory=RetrievalSection)
+    free_run: FreeRunSection = field(default_factory=FreeRunSection)
     memory: Task = field(default_factory=Task)
     speed: SpeedSection = field(default_factory=SpeedSection)
     output: OutputSection = field(default_factory=OutputSection)
@@ -279,10 +296,13 @@ class EvalConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def identity(self) -> dict[str, Any]:
-        """Everything that decides the numbers except the list of caches (and where output goes)."""
+        """Everything that decides the numbers except the list of caches (and where output goes). The
+        ``free_run`` section counts only when enabled (runs made before it existed keep their folder)."""
         d = self.to_dict()
         for key in ("caches", "output", "progress"):
             d.pop(key)
+        if not self.free_run.enabled:
+            d.pop("free_run")
         return d
 
     def identity_hash(self, extra: str = "") -> str:
@@ -294,6 +314,7 @@ class EvalConfig:
         self.model.check("model")
         self.quality.check("quality")
         self.retrieval.check("retrieval")
+        self.free_run.check("free_run")
         self.speed.check("speed")
         check_caches(self.caches)
 

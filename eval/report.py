@@ -82,8 +82,9 @@ def table(head: list[str], rows: list[list[str]], left: int | None = None) -> st
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    """``kvquant eval``'s table: one row per cache: quality, memory, speed (largest context, batch 1)
-    and passkey accuracy."""
+    """``kvquant eval``'s table: one row per cache: quality, memory, speed (largest context, batch 1),
+    passkey accuracy and the free run (full-precision ppl of the cache's own greedy continuation, its
+    ratio to DynamicCache's continuation's, mean first divergent position, share of identical tokens)."""
     speed_ctx = None
     for r in records:
         rows = [s for s in (r.get("speed") or {}).get("rows", []) if s["batch"] == 1]
@@ -99,6 +100,9 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         head += [f"prefill ms @{speed_ctx}", f"tok/s @{speed_ctx}", "decode × dyn"]
     if lengths:
         head += ["passkey " + "/".join(lengths)]
+    free = next((r["free_run"] for r in records if r.get("free_run")), None)
+    if free is not None:
+        head += [f"free-run ppl ({free['tokens']} tok)", "× dyn", "diverges @", "same tokens"]
     lines = []
     for r in records:
         q, m = r.get("quality") or {}, r.get("memory") or {}
@@ -128,5 +132,12 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         if lengths:
             acc = (r.get("retrieval") or {}).get("accuracy") or {}
             cells.append("/".join(cell(acc.get(n), ".2f") for n in lengths))
+        if free is not None:
+            f = r.get("free_run") or {}
+            cells += [cell(f.get("ppl"), ".3f"), cell(f.get("ppl_ratio"), ".3f")]
+            cells += [
+                cell(f.get("first_divergence"), ".1f"),
+                cell(scaled(f.get("identical_fraction"), 100), ".1f"),
+            ]
         lines.append(cells)
     return table(head, lines)

@@ -6,6 +6,13 @@ filler sentences repeated up to the context length, one needle sentence holding 
 token by token to exactly ``L`` tokens. Keys and depths depend only on the seed, ``L`` and the trial,
 so every cache sees the same prompts.
 
+:func:`passkey_accuracy_shared` gives the same answers for several caches at the cost of one haystack
+prefill per prompt (the long part at 4k-8k tokens on a CPU): the prefill runs once through a
+DynamicCache that hands every ``update`` call, with its arguments, to each cache as well. A cache's
+prefill returns the call's own full-precision keys / values (nothing is stored before it), so the
+forward is the same under every cache and each cache receives exactly the calls it would receive on
+its own; then each cache answers alone (question call, greedy decode).
+
 Through the cache: the haystack (everything before the question) is prefilled in one call, the
 question in a second call (so it attends to the *stored*, quantized haystack, as a follow-up question
 in a chat would), then ``digits + 2`` tokens are decoded greedily. A trial scores 1 when the first run
@@ -48,8 +55,17 @@ def passkey_prompt(tokenizer: Any, length: int, key: str, depth: float) -> tuple
 def answer(model: Any, cache: Any, ids: torch.Tensor, question_len: int, new_tokens: int) -> list[int]:
     """Greedy answer ids to prompt ``ids [L]``: haystack prefill, question call, then one token per step."""
     device = next(model.parameters()).device
+    model(input_ids=ids.to(device)[None, :-question_len], cache=cache, use_cache=True, logits_to_keep=1)
+    return answer_question(model, cache, ids, question_len, new_tokens)
+
+
+@torch.no_grad()
+def answer_question(
+    model: Any, cache: Any, ids: torch.Tensor, question_len: int, new_tokens: int
+) -> list[int]:
+    """:func:`answer` after its haystack prefill (``cache`` holds ``ids[:-question_len]``)."""
+    device = next(model.parameters()).device
     ids = ids.to(device)[None]
-    model(input_ids=ids[:, :-question_len], cache=cache, use_cache=True, logits_to_keep=1)
     out = model(input_ids=ids[:, -question_len:], cache=cache, use_cache=True, logits_to_keep=1)
     got = []
     for _ in range(new_tokens):
@@ -57,6 +73,24 @@ def answer(model: Any, cache: Any, ids: torch.Tensor, question_len: int, new_tok
         got.append(int(nxt))
         out = model(input_ids=nxt, cache=cache, use_cache=True)
     return got
+
+
+def _fan_out(model: Any, caches: list[Any]) -> Any:
+    """A DynamicCache whose every ``update`` is also made, with the same arguments, on each of ``caches``."""
+    from transformers import DynamicCache
+
+    class FanOut(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            for cache in caches:
+                cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    return FanOut(config=model.config)
+
+
+def _score(text: str, key: str) -> bool:
+    found = re.search(r"\d+", text)
+    return bool(found and found.group() == key)
 
 
 def passkey_cases(lengths: list[int], trials: int, digits: int, seed: int) -> list[dict[str, Any]]:
@@ -88,10 +122,56 @@ def passkey_accuracy(
         text = tokenizer.decode(
             answer(model, build_cache(), ids, q_len, digits + 2), skip_special_tokens=True
         )
-        found = re.search(r"\d+", text)
-        answers.append({**case, "answer": text, "correct": bool(found and found.group() == case["key"])})
+        answers.append({**case, "answer": text, "correct": _score(text, case["key"])})
+    return {"accuracy": _accuracy(answers, lengths), "answers": answers}
+
+
+def _accuracy(answers: list[dict[str, Any]], lengths: list[int]) -> dict[str, float]:
     accuracy = {}
     for length in lengths:
         hits = [a["correct"] for a in answers if a["length"] == length]
         accuracy[str(length)] = sum(hits) / len(hits)
-    return {"accuracy": accuracy, "answers": answers}
+    return accuracy
+
+
+@torch.no_grad()
+def passkey_accuracy_shared(
+    model: Any,
+    tokenizer: Any,
+    builds: dict[str, Callable[[], Any]],
+    *,
+    lengths: list[int],
+    trials: int,
+    digits: int = 5,
+    seed: int = 0,
+    on_answer: Callable[[str, dict[str, Any]], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """:func:`passkey_accuracy` of every cache of ``builds`` (name -> factory), one haystack prefill per
+    prompt (see the module docstring). ``on_answer(name, answer)`` is called as each answer is known
+    (prompts in order of ``lengths``, then trials). Returns ``{name: {"accuracy": ..., "answers": ...}}``.
+
+    Example:
+        >>> builds = {"dynamic": lambda: DynamicCache(config=model.config),
+        ...           "nuq2": lambda: KVQuantCache(model.config, "nuq2")}
+        >>> passkey_accuracy_shared(model, tok, builds, lengths=[4096], trials=3)["nuq2"]["accuracy"]
+    """
+    device = next(model.parameters()).device
+    answers: dict[str, list[dict[str, Any]]] = {name: [] for name in builds}
+    for case in passkey_cases(lengths, trials, digits, seed):
+        ids, q_len = passkey_prompt(tokenizer, case["length"], case["key"], case["depth"])
+        caches = {name: build() for name, build in builds.items()}
+        model(
+            input_ids=ids.to(device)[None, :-q_len],
+            cache=_fan_out(model, list(caches.values())),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for name, cache in caches.items():
+            got = answer_question(model, cache, ids, q_len, digits + 2)
+            text = tokenizer.decode(got, skip_special_tokens=True)
+            record = {**case, "answer": text, "correct": _score(text, case["key"])}
+            answers[name].append(record)
+            if on_answer is not None:
+                on_answer(name, record)
+        del caches
+    return {name: {"accuracy": _accuracy(a, lengths), "answers": a} for name, a in answers.items()}

@@ -41,6 +41,7 @@ from kvquant.eval.caches import CacheSpec, fp16_bytes_per_token, kv_geometry, re
 from kvquant.eval.config import EvalConfig, EvalError, Timing, cast, check_output_dir, load_config
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.decode import simulated_logprobs, teacher_forced_logprobs
+from kvquant.eval.free_run import continuation_nll, free_run_numbers, greedy_continuations
 from kvquant.eval.memory import measure_memory
 from kvquant.eval.quality import compare
 from kvquant.eval.records import RecordStore, claim_folder, write_json
@@ -145,6 +146,9 @@ def _check_limits(cfg: EvalConfig, limit: int | None, retrieval_lengths: list[in
         check_context("quality.prefix_len + quality.score_len", q.prefix_len + q.score_len, limit)
     for length in retrieval_lengths if cfg.retrieval.enabled else []:
         check_context(f"retrieval.lengths ({length} + {answer} answer tokens)", length + answer, limit)
+    if cfg.free_run.enabled:
+        f = cfg.free_run
+        check_context("free_run.prompt_len + free_run.tokens", f.prompt_len + f.tokens, limit)
     for c in cfg.speed.context_lengths if cfg.speed.enabled else []:
         check_context(f"speed.context_lengths ({c} + {d} decoded)", c + d, limit)
 
@@ -202,6 +206,10 @@ def run_eval(
     windows = None
     if cfg.quality.enabled or cfg.memory.enabled:
         windows = make_windows(ids, q.prefix_len, q.score_len, q.windows, cfg.corpus.name)  # [W, P + D]
+    prompts = None
+    if cfg.free_run.enabled:
+        f = cfg.free_run
+        prompts = make_windows(ids, f.prompt_len, f.tokens, f.prompts, cfg.corpus.name)[:, : f.prompt_len]
     check_buildable(specs, model, "cache ")
 
     corpus_label = (
@@ -244,6 +252,7 @@ def run_eval(
     }
     bar = partial(progress_bar, enabled=cfg.progress)
     ctx = EvalContext(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar)
+    ctx.prompts = prompts  # [P, prompt_len] free-run prompts (None when the task is off)
 
     store = RecordStore(run_dir / "results.jsonl", key="key")
     done = store.records
@@ -285,6 +294,8 @@ class EvalContext:
         self.run_dir, self.bar = run_dir, bar
         self.session = uuid.uuid4().hex[:12]
         self._baseline: torch.Tensor | None = None
+        self.prompts: torch.Tensor | None = None
+        self._free_ref: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------------------------- quality
 
@@ -325,6 +336,24 @@ class EvalContext:
         test = base if spec.kind == "dynamic" else self.logprobs(spec)
         out = compare(base, test, self.windows[:, q.prefix_len :])
         return {**out, **{k: getattr(q, k) for k in ("mode", "windows", "prefix_len", "score_len")}}
+
+    # ---------------------------------------------------------------------------------- free run
+
+    def free_run(self, spec: CacheSpec) -> dict[str, Any]:
+        """:mod:`kvquant.eval.free_run` numbers of ``spec`` against DynamicCache's own continuation
+        (generated and scored once per run)."""
+        n = self.cfg.free_run.tokens
+
+        def generate(s: CacheSpec) -> torch.Tensor:
+            bar = partial(self.bar, desc=f"{s.name} free run", leave=False)
+            return greedy_continuations(self.model, self.prompts, lambda: s.build(self.model), n, bar)
+
+        if self._free_ref is None:
+            ref = generate(resolve_specs(["dynamic"])[0])
+            self._free_ref = (ref, continuation_nll(self.model, self.prompts, ref))
+        ref, ref_nll = self._free_ref
+        got = ref if spec.kind == "dynamic" else generate(spec)
+        return free_run_numbers(self.model, self.prompts, ref, got, reference_nll=ref_nll)
 
     # ---------------------------------------------------------------------------------- speed
 
@@ -373,5 +402,7 @@ class EvalContext:
                 seed=cfg.seed,
                 progress=self.bar,
             )
+        if cfg.free_run.enabled:
+            record["free_run"] = self.free_run(spec)
         record["seconds"] = time.perf_counter() - start
         return record

@@ -32,7 +32,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,7 @@ class SweepResult:
     plots: list[Path]
     skipped: int = 0  # pieces found finished in results.jsonl
     measured: int = 0  # pieces measured by this call
+    warnings: list[str] = field(default_factory=list)  # risky configs (kvquant.eval.preflight.risk_warning)
 
     @property
     def recommendation(self) -> dict[str, Any]:

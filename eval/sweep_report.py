@@ -19,6 +19,7 @@ from typing import Any
 
 from kvquant.eval.caches import CacheSpec
 from kvquant.eval.plots import NOTES, write_plots
+from kvquant.eval.preflight import risk_warning
 from kvquant.eval.recommend import recommend
 from kvquant.eval.report import cell, scaled, table
 from kvquant.eval.sweep_config import SweepError
@@ -100,6 +101,19 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ capacity
+
+
+def risk_warnings(cfg, specs, labels, done) -> list[str]:
+    """:func:`kvquant.eval.preflight.risk_warning` of every (model, cache) whose quality numbers make it
+    risky, from the quality pieces the sweep measured (the line ``kvquant check`` prints)."""
+    out = []
+    for label in labels:
+        for spec in specs:
+            rec = done.get(record_id(label, spec.key, "quality", cfg.quality.prefix_len, 1))
+            warning = None if rec is None else risk_warning(rec["quality"], spec.name, label)
+            if warning:
+                out.append(warning)
+    return out
 
 
 def capacity(cfg, specs: list[CacheSpec], model_config: Any) -> dict[str, Any]:
@@ -260,6 +274,9 @@ def build_report(cfg, specs, labels, done, model_configs, corpus_info, out: Path
     ]
     for rec in recs:
         md += [(f"{rec['model']}: " if len(labels) > 1 else "") + rec["text"], ""]
+    warnings = risk_warnings(cfg, specs, labels, done)
+    if warnings:
+        md += ["## Risky configs", "", *[f"- {w}" for w in warnings], ""]
     md += ["## Plots", ""]
     for p in plots:
         stem = p.stem.split("-")[0] if len(labels) > 1 else p.stem
@@ -282,4 +299,5 @@ def build_report(cfg, specs, labels, done, model_configs, corpus_info, out: Path
         "markdown": markdown,
         "recommendations": recs,
         "plots": plots,
+        "warnings": warnings,
     }

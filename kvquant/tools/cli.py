@@ -39,7 +39,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from kvquant.tools.demo import run
 
     check_cache("--cache", args.cache)
-    return run(args.model, args.prompt, args.max_new_tokens, args.cache)
+    return run(args.model, args.prompt, args.max_new_tokens, args.cache, check=args.check)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +50,61 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     # nuq4, not int4: per-token int4 without a rotation collapses on models with outlier key
     # channels (issue 16: +20-43% perplexity on a Gemma-shaped model, nuq4 +1-3%)
     p.add_argument("--cache", default="nuq4", help="preset name or YAML path (default: nuq4)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also run kvquant check's corpus preflight (about 20-25 s); the demo warns from its own "
+        "quality numbers either way",
+    )
     p.set_defaults(func=_cmd_demo)
+
+
+# ------------------------------------------------------------------------------------------ check
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from kvquant.tools.check import run
+
+    check_cache("--cache", args.cache)
+    return run(
+        args.model,
+        args.cache,
+        strict=args.strict,
+        prefix_len=args.prefix_len,
+        score_len=args.tokens,
+        windows=args.windows,
+    )
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    from kvquant.eval.preflight import MAX_KL, MIN_TOP1, PREFIX_LEN, SCORE_LEN, WINDOWS
+
+    p = sub.add_parser(
+        "check",
+        help="~30 s preflight: teacher-forced KL / ppl / top-1 and bits of one cache config, risk warning",
+        description="Teacher-forced decode-mode comparison of one cache config against DynamicCache on "
+        f"short windows of the embedded corpus. Warns when mean KL > {MAX_KL:g} or top-1 < "
+        f"{100 * MIN_TOP1:g}%%. Exit status: 0 (also when risky, unless --strict: then 1); bad input 2.",
+    )
+    p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
+    p.add_argument("--cache", required=True, help="preset name or YAML path")
+    p.add_argument("--strict", action="store_true", help="exit status 1 when the config is risky")
+    p.add_argument(
+        "--prefix-len",
+        type=int_at_least(1),
+        default=PREFIX_LEN,
+        help=f"tokens prefilled per window (default {PREFIX_LEN})",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int_at_least(2),
+        default=SCORE_LEN,
+        help=f"tokens teacher-forced and scored per window (default {SCORE_LEN})",
+    )
+    p.add_argument(
+        "--windows", type=int_at_least(1), default=WINDOWS, help=f"corpus windows (default {WINDOWS})"
+    )
+    p.set_defaults(func=_cmd_check)
 
 
 # ------------------------------------------------------------------------------------------ eval, sweep
@@ -130,6 +184,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     print()
     for rec in result.recommendations:
         print(("" if len(result.recommendations) == 1 else f"{rec['model']}: ") + rec["text"])
+    if result.warnings:
+        print()
+        print("\n".join(result.warnings))
     print(f"\nresults: {result.out_dir} (results.md, results.csv, results.jsonl, plots/)")
     return 0
 
@@ -566,6 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(sub)
+    _add_check(sub)
     _add_eval(sub)
     _add_bench(sub)
     _add_plan(sub)

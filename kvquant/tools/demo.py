@@ -2,7 +2,10 @@
 
 Runs offline on the embedded SmolLM2. Quality is measured with the cache in the loop: the
 full-precision continuation is fed back token by token through each cache (teacher forcing) and the
-next-token distributions are compared (KL divergence, top-1 agreement).
+next-token distributions are compared (KL divergence, top-1 agreement). When those numbers make the
+config risky (:func:`kvquant.eval.preflight.risk_warning`, the line ``kvquant check`` and ``kvquant
+sweep`` print) the demo prints the warning: free, from numbers it measures anyway. ``--check`` runs
+``kvquant check``'s corpus preflight too (about 20-25 s more on a 2-core CPU; off by default).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from kvquant.cache import KVQuantCache
 from kvquant.config import KVQuantConfig
 from kvquant.eval.caches import cache_nbytes_16bit
 from kvquant.eval.decode import teacher_forced_logprobs
+from kvquant.eval.preflight import preflight, risk_warning
 from kvquant.eval.quality import compare
 from kvquant.memory import format_bytes_per_token
 from kvquant.models import load_model, weights_label
@@ -35,7 +39,9 @@ def _generate(model, ids, cache, n):
     return out, time.perf_counter() - start
 
 
-def run(model_name: str | None, prompt: str | None, max_new_tokens: int, preset: str) -> int:
+def run(
+    model_name: str | None, prompt: str | None, max_new_tokens: int, preset: str, check: bool = False
+) -> int:
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: expected an integer >= 1, got {max_new_tokens}")
     prompt = prompt or DEMO_PROMPT
@@ -117,4 +123,16 @@ def run(model_name: str | None, prompt: str | None, max_new_tokens: int, preset:
         f"{100 * res['top1_agreement']:.1f}%, ppl {res['ppl_base']:.3f} -> {res['ppl']:.3f} "
         f"over {res['tokens']} tokens"
     )
+    warning = risk_warning(res, preset, model_name or "smollm2")
+    if check:
+        pre = preflight(model, tok, preset)
+        q = pre["quality"]
+        print(
+            f"\npreflight (kvquant check: {pre['windows']} windows of {pre['prefix_len']} + {pre['score_len']} "
+            f"tokens of the embedded corpus)\n  mean KL {q['kl_mean']:.4f}, top-1 {100 * q['top1_agreement']:.1f}%, "
+            f"Δppl {100 * q['delta_ppl_rel']:+.2f}% over {q['tokens']} tokens"
+        )
+        warning = warning or risk_warning(q, preset, model_name or "smollm2")
+    if warning:
+        print(warning)
     return 0

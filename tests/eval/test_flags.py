@@ -120,6 +120,7 @@ def test_tasks_overrides():
         "memory.enabled": False,
         "speed.enabled": True,
         "retrieval.enabled": False,
+        "free_run.enabled": False,
     }
     with pytest.raises(
         EvalError, match="--tasks: unknown task 'foo'; allowed: quality, memory, speed, retrieval"

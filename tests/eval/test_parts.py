@@ -186,3 +186,36 @@ def test_bytes_at_16bit_count_full_precision_tokens_at_two_bytes(tiny):
         tiny.to(torch.bfloat16)(ids, cache=half)
     tiny.to(torch.float32)
     assert cache_nbytes_16bit(half) == cache_nbytes(half) == cache_nbytes_16bit(quant)
+
+
+def test_shared_prefill_passkey_gives_each_cache_its_own_answers(tiny, byte_tok):
+    from kvquant.eval.retrieval import _fan_out, passkey_accuracy, passkey_accuracy_shared
+
+    builds = {
+        "dynamic": lambda: DynamicCache(config=tiny.config),
+        "int4": lambda: KVQuantCache(tiny.config, "int4"),
+        "tcq2-recent": lambda: KVQuantCache(tiny.config, "tcq2-recent"),
+    }
+    kw = {"lengths": [360, 400], "trials": 1, "digits": 3}
+    seen = []
+    shared = passkey_accuracy_shared(tiny, byte_tok, builds, on_answer=lambda n, a: seen.append(n), **kw)
+    assert seen == list(builds) * 2  # one answer per cache per prompt, as each is known
+    for name, build in builds.items():
+        alone = passkey_accuracy(tiny, byte_tok, build, **kw)
+        assert shared[name] == alone, name
+    # the state a cache holds after the shared prefill is the one its own prefill leaves
+    ids = torch.randint(0, 100, (1, 200))
+    fanned, alone = KVQuantCache(tiny.config, "nuq2"), KVQuantCache(tiny.config, "nuq2")
+    with torch.no_grad():
+        tiny(input_ids=ids, cache=_fan_out(tiny, [fanned]), use_cache=True)
+        tiny(input_ids=ids, cache=alone, use_cache=True)
+    for a, b in zip(fanned.layers, alone.layers, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.read_history(), b.read_history(), strict=True))
+
+
+def test_free_run_counts_in_the_run_identity_only_when_enabled():
+    off, on = EvalConfig(), load_config(None, {"free_run.enabled": True})
+    assert "free_run" not in off.identity() and on.identity()["free_run"]["tokens"] == 256
+    assert off.identity_hash() != on.identity_hash()
+    with pytest.raises(EvalError, match="free_run.tokens: invalid value 0"):
+        load_config(None, {"free_run.tokens": 0})

@@ -364,7 +364,10 @@ def test_default_sweep_file():
 # ------------------------------------------------------------------------------------------ CLI
 
 
-def test_cli_sweep_runs(tmp_path, tiny_model_dir, capsys):
+def test_cli_sweep_runs(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    import kvquant.eval.preflight as preflight
+
+    monkeypatch.setattr(preflight, "MAX_KL", 0.0)  # every cache that changes a logit is "risky"
     spec = {
         "models": [str(tiny_model_dir)],
         **{k: v for k, v in FAST.items() if "." not in k},
@@ -384,6 +387,11 @@ def test_cli_sweep_runs(tmp_path, tiny_model_dir, capsys):
     assert rc == 0, printed.err
     assert printed.out.startswith("| model | cache | context |") and "| int4 | 32 | 1 |" in printed.out
     assert "Budget Δppl <= +50%: use " in printed.out  # the flag replaced the YAML's KL budget
+    # the risk line kvquant check prints, from the sweep's own quality numbers; DynamicCache is fine
+    warned = [line for line in printed.out.splitlines() if line.startswith("warning: ")]
+    assert [w.split()[2] for w in warned] == ["int8", "int4"], warned
+    assert all(" > 0 " in w or w.endswith("> 0") or "> 0," in w for w in warned)
+    assert warned[1] in (out / "results.md").read_text()
     assert {p.name for p in (out / "plots").glob("*.png")} == {
         "quality_vs_bits.png",
         "decode_speed.png",

@@ -44,3 +44,18 @@ def test_both_caches_are_warmed_up_and_timed_alike(monkeypatch, capsys):
     ratio, bits = re.search(r"int4: \d+ KiB \(([\d.]+)x; ([\d.]+) effective bits", out).groups()
     assert kib and abs(16 * float(ratio) - float(bits)) < 0.02
     assert "16-bit model" in out and "this float32 model's own caches" in out
+
+
+def test_demo_prints_the_shared_risk_warning(monkeypatch, capsys, tiny_model_dir):
+    import kvquant.eval.preflight as preflight
+
+    monkeypatch.setattr(preflight, "MAX_KL", 0.0)  # any logit change is "risky"
+    assert demo.run(str(tiny_model_dir), "Hello there.", 4, "int4", check=True) == 0
+    out = capsys.readouterr().out
+    assert "preflight (kvquant check: 3 windows of 256 + 32 tokens of the embedded corpus)" in out
+    warned = [line for line in out.splitlines() if line.startswith("warning: cache int4 is risky for ")]
+    assert len(warned) == 1 and "mean KL" in warned[0]
+    monkeypatch.setattr(preflight, "MAX_KL", 1e9)
+    monkeypatch.setattr(preflight, "MIN_TOP1", 0.0)
+    assert demo.run(str(tiny_model_dir), "Hello there.", 4, "int4") == 0
+    assert "warning" not in capsys.readouterr().out

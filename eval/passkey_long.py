@@ -1,0 +1,61 @@
+"""Passkey accuracy of several caches at long contexts, one haystack prefill per prompt.
+
+``kvquant eval --tasks retrieval`` prefills every prompt once per cache; at 4k-8k tokens on a CPU that
+prefill is nearly all the time. This runs :func:`~kvquant.eval.retrieval.passkey_accuracy_shared`
+(the same prompts, the same answers, one prefill per prompt) on a model loaded by name, appending one
+JSON line per answer to ``--out`` and printing the accuracy table at the end::
+
+    OMP_NUM_THREADS=1 python -m kvquant.eval.passkey_long --lengths 4096,max --trials 3 \\
+        --caches dynamic,tcq3v2-recent,tcq2-recent,k3v2,k3v2-recent,nuq2,nuq2-recent,nuq3 \\
+        --out runs/passkey-long.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from kvquant.eval.caches import resolve_spec
+from kvquant.eval.config import EvalConfig, RetrievalSection
+from kvquant.eval.report import table
+from kvquant.eval.retrieval import passkey_accuracy_shared
+from kvquant.eval.runner import _resolve_lengths, load_eval_model, model_max_context
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvquant.eval.passkey_long")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--caches", required=True, help="comma-separated cache specs (dynamic, presets, YAML)")
+    p.add_argument("--lengths", default="4096,max", help="comma-separated; max: the model's limit")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--digits", type=int, default=5)
+    p.add_argument("--out", required=True, help="JSON-lines file, one answer per line (appended)")
+    args = p.parse_args(argv)
+    lengths = [x if x == "max" else int(x) for x in args.lengths.split(",")]
+    cfg = EvalConfig(retrieval=RetrievalSection(lengths=lengths, trials=args.trials, digits=args.digits))
+    cfg.model.name = args.model
+    cfg.validate()
+    specs = [resolve_spec(c) for c in args.caches.split(",")]
+    model, tok = load_eval_model(cfg)
+    lengths = _resolve_lengths(cfg, model_max_context(model))
+    start = time.perf_counter()
+
+    def log(name: str, answer: dict) -> None:
+        row = {"cache": name, **answer, "seconds": round(time.perf_counter() - start, 1)}
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    builds = {s.name: (lambda s=s: s.build(model)) for s in specs}
+    res = passkey_accuracy_shared(
+        model, tok, builds, lengths=lengths, trials=args.trials, digits=args.digits, on_answer=log
+    )
+    head = ["cache", *[f"passkey @{n}" for n in lengths]]
+    rows = [[name, *[f"{r['accuracy'][str(n)]:.2f}" for n in lengths]] for name, r in res.items()]
+    print(table(head, rows, left=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
