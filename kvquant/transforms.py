@@ -75,6 +75,7 @@ class KeyTransform:
         self._stats = value
         # the fp32 copies every decode step computes with, made once per fit / batch change
         self._stats32 = None if value is None else tuple(None if t is None else t.float() for t in value)
+        self._per_head: dict[tuple[int, int], torch.Tensor] = {}  # (stat, query heads) -> [B, Hq, D]
 
     @property
     def is_identity(self) -> bool:
@@ -137,21 +138,27 @@ class KeyTransform:
 
     # ------------------------------------------------------------------------------------ attention
 
-    def _per_query_head(self, t: torch.Tensor, hq: int) -> torch.Tensor:  # [B, Hkv, 1, D] -> [B, Hq, D]
-        return t[:, :, 0].float().repeat_interleave(hq // t.shape[1], dim=1)
+    def _per_query_head(self, which: int, hq: int) -> torch.Tensor:
+        """Statistic ``which`` (0: mean, 1: std) ``[B, Hkv, 1, D]`` -> ``[B, Hq, D]`` fp32, made once
+        per fit (every decode step reads it)."""
+        key = (which, hq)
+        if key not in self._per_head:
+            t = self._stats32[which]
+            self._per_head[key] = t[:, :, 0].repeat_interleave(hq // t.shape[1], dim=1)
+        return self._per_head[key]
 
     def fold_query(self, q: torch.Tensor, rotate: bool = True) -> torch.Tensor:
         """``q[B, Hq, D]`` -> the query that scores stored keys: ``R (q * std)`` (``rotate=False``:
         ``q * std``, for a kernel that rotates it itself)."""
         if self.stats is not None and self.stats[1] is not None:
-            q = q.float() * self._per_query_head(self.stats[1], q.shape[1])
+            q = q.float() * self._per_query_head(1, q.shape[1])
         return _rotate(q) if self.rotated and rotate else q
 
     def shift_lse(self, lse: torch.Tensor, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """``lse[B, Hq]`` of scores ``q . (k - mean)`` -> of ``q . k`` (``q[B, Hq, D]`` unfolded)."""
         if self.stats is None:
             return lse
-        return lse + scaling * (q.float() * self._per_query_head(self.stats[0], q.shape[1])).sum(-1)
+        return lse + scaling * (q.float() * self._per_query_head(0, q.shape[1])).sum(-1)
 
     # ------------------------------------------------------------------------------------ batch / bytes
 
