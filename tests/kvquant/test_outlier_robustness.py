@@ -200,9 +200,7 @@ def kl(setup, spec) -> float:
 
 # Presets that miss their bound, reported to their owners (strict: a fix turns the XPASS into a failure,
 # and the entry is then removed). Measured on this model at this commit.
-KNOWN_MISSES = {
-    "tcq3v2-recent": "KL 0.0332 > 2 x 0.0151 (issue 16; the nuq / tcq presets are being reworked)",
-}
+KNOWN_MISSES: dict[str, str] = {}
 
 
 def _marked(name: str):
