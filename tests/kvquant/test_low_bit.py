@@ -324,7 +324,14 @@ PINNED = {  # what the low-bit presets are; a change here is a change of a measu
     "nuq2": dict(key_format="nuq2", value_format="nuq2", residual_length=8),
     "k3v2-recent": dict(key_format="nuq3", value_format="nuq2", recent_length=64, **_RECENT),
     "nuq2-recent": dict(key_format="nuq2", value_format="nuq2", **_RECENT_2BIT),
-    "tcq3v2-recent": dict(key_format="tcq3", value_format="tcq2", recent_length=64, **_RECENT),
+    "tcq3v2-recent": dict(
+        key_format="tcq3",
+        value_format="tcq2",
+        key_group_size=64,
+        value_group_size=64,
+        recent_length=64,
+        **_RECENT,
+    ),
     "tcq2-recent": dict(key_format="tcq2", value_format="tcq2", **_RECENT_2BIT),
 }
 
