@@ -49,7 +49,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.config import KVQuantConfig
 from kvquant.formats import FORMAT_NAMES
-from kvquant.memory import format_bits, layer_bytes
+from kvquant.memory import format_bits, layer_bytes, model_cache_bytes
 
 MENU: tuple[str, ...] = ("tcq2", "nuq2", "tcq3", "nuq3", "nuq4", "int8")
 TENSORS = ("key", "value")
@@ -198,8 +198,8 @@ def tensor_costs(
 def config_bits(cfg: KVQuantConfig, model_config: Any, tokens: int) -> float:
     """``bits @16-bit`` of ``cfg``'s cache after ``tokens`` positions, as ``kvquant eval`` reports it."""
     layers, heads, head_dim = _geometry(model_config)
-    total = sum(
-        layer_bytes(cfg.for_layer(i, layers), tokens, 1, heads, head_dim, 2)["total"] for i in range(layers)
+    total = model_cache_bytes(
+        cfg, ["full_attention"] * layers, [None] * layers, tokens, 1, heads, head_dim, 2
     )
     return 16.0 * total / (tokens * layers * heads * head_dim * 2 * 2)
 
