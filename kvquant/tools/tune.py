@@ -196,11 +196,14 @@ def tensor_costs(
 
 
 def config_bits(cfg: KVQuantConfig, model_config: Any, tokens: int) -> float:
-    """``bits @16-bit`` of ``cfg``'s cache after ``tokens`` positions, as ``kvquant eval`` reports it."""
+    """``bits @16-bit`` of ``cfg``'s cache after ``tokens`` positions, as ``kvquant eval`` reports it
+    (sliding-window layers hold their window only; the denominator is every layer at 16 bits)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
     layers, heads, head_dim = _geometry(model_config)
-    total = model_cache_bytes(
-        cfg, ["full_attention"] * layers, [None] * layers, tokens, 1, heads, head_dim, 2
-    )
+    types, kwargs = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
+    windows = [kw.get("sliding_window") for kw in kwargs]
+    total = model_cache_bytes(cfg, types, windows, tokens, 1, heads, head_dim, 2)
     return 16.0 * total / (tokens * layers * heads * head_dim * 2 * 2)
 
 

@@ -100,6 +100,22 @@ def test_costs_add_up_and_bits_match_the_eval():
     assert config_bits(cfg, model.config, 59) == pytest.approx(held)
 
 
+def test_bits_count_sliding_windows_as_the_eval_does():
+    # gemma3: 3 sliding layers (window 8) + 1 full; after 59 positions the sliding ones hold their window
+    from kvquant.eval.caches import cache_nbytes_16bit
+
+    model = tiny_model("gemma3")
+    cfg = dataclasses.replace(BASE, recent_length=4, sink_tokens=0)
+    cache = KVQuantCache(model.config, cfg)
+    teacher_forced_logprobs(model, _windows(0)[:1], 48, cache)
+    text = model.config.get_text_config(decoder=True)
+    fp16 = 59 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 2 * 2
+    held = 16 * cache_nbytes_16bit(cache) / fp16
+    assert config_bits(cfg, model.config, 59) == pytest.approx(held)
+    full = dataclasses.replace(model.config, layer_types=["full_attention"] * text.num_hidden_layers)
+    assert config_bits(cfg, full, 59) > held  # the windows are what make it smaller
+
+
 def test_decode_measurement_is_the_evals(skewed):
     ids = _windows(1)
     calib = prefill(skewed, ids, 48)
