@@ -3,8 +3,8 @@
 Teacher forcing (:mod:`kvquant.eval.decode`) feeds every cache the reference tokens, so an error never
 compounds: a cache that changes one greedy token and then wanders off scores as well as one that
 changes that token and comes back. Here each cache generates on its own: from a prompt of the corpus,
-``tokens`` greedy tokens with the cache in the loop (prompt prefilled into the cache, then one token
-per call, no stop at end-of-text). The full-precision model then scores each continuation: the
+``tokens`` greedy tokens with the cache in the loop (``model.generate`` greedy: prompt prefilled into
+the cache, then one token per call, no stop at end-of-text). The full-precision model then scores each continuation: the
 log-probs of the generated tokens given the prompt and the tokens before them, from one forward of
 ``prompt + continuation`` without a cache (:func:`~kvquant.eval.decode.single_pass_logprobs`: the
 same predictions as a DynamicCache fed the tokens one by one).
@@ -37,16 +37,24 @@ from kvquant.eval.decode import single_pass_logprobs
 
 @torch.no_grad()
 def greedy_continuation(model: Any, prompt: torch.Tensor, cache: Any, tokens: int) -> torch.Tensor:
-    """``[tokens]`` greedy ids after ``prompt [T]`` through ``cache`` (prefill, then one per call)."""
+    """``[tokens]`` greedy ids after ``prompt [T]`` through ``cache``: ``model.generate`` greedy, with
+    no end-of-text stop (``eos_token_id=None``: an end-of-text token is generated and run on)."""
+    import warnings
+
     device = next(model.parameters()).device
-    out = model(input_ids=prompt.to(device)[None], cache=cache, use_cache=True, logits_to_keep=1)
-    got = []
-    for i in range(tokens):
-        nxt = out.logits[:, -1:].argmax(-1)  # [1, 1]
-        got.append(nxt)
-        if i + 1 < tokens:
-            out = model(input_ids=nxt, cache=cache, use_cache=True)
-    return torch.cat(got, dim=1)[0].cpu()
+    ids = prompt.to(device)[None]  # [1, T]
+    with warnings.catch_warnings():  # generate's notes on the pad / eos tokens it was told to ignore
+        warnings.simplefilter("ignore")
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=model.generation_config.pad_token_id or 0,
+        )
+    return out[0, ids.shape[1] :].cpu()
 
 
 def greedy_continuations(

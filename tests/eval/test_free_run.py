@@ -27,11 +27,32 @@ def _prompts(n=2, length=24):
     return torch.randint(3, 100, (n, length), generator=torch.Generator().manual_seed(0))
 
 
-def test_greedy_continuation_is_generate_greedy(tiny, greedy):
+def _reference_greedy(model, prompt, cache, tokens):
+    """The twin of ``greedy_continuation``: prefill, then argmax fed back one token per call."""
+    out = model(input_ids=prompt[None], cache=cache, use_cache=True)
+    got = []
+    for _ in range(tokens):
+        nxt = out.logits[:, -1:].argmax(-1)  # [1, 1]
+        got.append(nxt)
+        out = model(input_ids=nxt, cache=cache, use_cache=True)
+    return torch.cat(got, dim=1)[0]
+
+
+def test_greedy_continuation_is_the_argmax_loop_and_runs_past_end_of_text(tiny, greedy):
     prompts = _prompts(1)
+    want = _reference_greedy(tiny, prompts[0], DynamicCache(config=tiny.config), 12)
     got = greedy_continuations(tiny, prompts, lambda: DynamicCache(config=tiny.config), 12)
+    assert torch.equal(got[0], want)
     seq, _ = greedy(tiny, DynamicCache(config=tiny.config), prompts, n=12)
     assert torch.equal(got, seq[:, prompts.shape[1] :])
+    # the model's end-of-text token is the first one generated: generate would stop there, this does not
+    saved = tiny.generation_config.eos_token_id
+    tiny.generation_config.eos_token_id = int(want[0])
+    try:
+        again = greedy_continuations(tiny, prompts, lambda: DynamicCache(config=tiny.config), 12)
+    finally:
+        tiny.generation_config.eos_token_id = saved
+    assert torch.equal(again[0], want)
 
 
 def test_continuation_nll_is_the_teacher_forced_full_precision_nll(tiny):
