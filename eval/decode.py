@@ -49,10 +49,28 @@ def teacher_forced_logprobs(
     if not 0 < prefix_len < total:
         raise ValueError(f"prefix_len: {prefix_len} must be in [1, {total - 1}] for {total} tokens")
     device = next(model.parameters()).device
+    out = model(input_ids=input_ids[:, :prefix_len].to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1].float().log_softmax(-1).cpu()  # [B, V]
+    return continued_logprobs(model, input_ids, prefix_len, cache, first, progress=progress)
+
+
+@torch.no_grad()
+def continued_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    prefix_len: int,
+    cache: Any,
+    first: torch.Tensor,
+    *,
+    progress: Any | None = None,
+) -> torch.Tensor:
+    """The decode half of :func:`teacher_forced_logprobs`: ``cache`` already holds the prefix of
+    ``input_ids[B, P + N]`` and ``first[B, V]`` is prediction 0's log-probs; feeds the N - 1 following
+    reference tokens one at a time and returns ``[B, N, V]`` (fp32, CPU)."""
+    device = next(model.parameters()).device
     ids = input_ids.to(device)
-    out = model(input_ids=ids[:, :prefix_len], cache=cache, use_cache=True, logits_to_keep=1)
-    steps = [out.logits[:, -1].float().log_softmax(-1).cpu()]
-    rng = range(prefix_len, total - 1)
+    steps = [first]
+    rng = range(prefix_len, ids.shape[1] - 1)
     for t in progress(rng) if progress is not None else rng:
         out = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
         steps.append(out.logits[:, -1].float().log_softmax(-1).cpu())

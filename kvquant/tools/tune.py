@@ -109,16 +109,11 @@ def prefill(model: Any, ids: torch.Tensor, prefix_len: int) -> Calibration:
     return calib
 
 
-@torch.no_grad()
 def _continue(model: Any, calib: Calibration, cache: Any) -> torch.Tensor:
-    """Teacher-force the scored tokens through ``cache`` (already holding the prefix)."""
-    device = next(model.parameters()).device
-    ids = calib.ids.to(device)
-    steps = [calib.first]
-    for t in range(calib.prefix_len, ids.shape[1] - 1):
-        out = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
-        steps.append(out.logits[:, -1:].float().log_softmax(-1).cpu())
-    return torch.cat(steps, dim=1)
+    """Teacher-force the scored tokens through ``cache`` (already holding the prefix): ``[W, D, V]``."""
+    from kvquant.eval.decode import continued_logprobs
+
+    return continued_logprobs(model, calib.ids, calib.prefix_len, cache, calib.first[:, 0])
 
 
 @torch.no_grad()
