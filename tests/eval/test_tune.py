@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,18 @@ def test_a_tuned_mix_decodes_on_the_fused_cpu_path():
     fused = teacher_forced_logprobs(model, ids, 48, cache)
     assert cache.uses_views()
     assert torch.allclose(plain, fused, atol=2e-3)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs" / "tuned").glob("*.yaml")))
+def test_shipped_tuned_configs_load_and_meet_their_budget(path):
+    """``configs/tuned/smollm2-<B>bit.yaml``: a cache on SmolLM2's geometry accepts it and it holds at
+    most B bits @16-bit at the end of a tuning window (1,087 positions)."""
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64
+    )
+    budget = float(path.stem.split("-")[1].removesuffix("bit").replace("p", "."))
+    cfg = KVQuantConfig.from_yaml(path)
+    KVQuantCache(smollm2, cfg)
+    assert budget - 0.05 <= config_bits(cfg, smollm2, 1087) <= budget + 1e-9
