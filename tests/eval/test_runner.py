@@ -81,9 +81,12 @@ def test_full_precision_caches_match_the_baseline_in_a_run(tmp_path, tiny, byte_
 
 
 def test_broken_cache_is_worse_in_a_run(tmp_path, tiny, byte_tok):
+    gen = torch.Generator().manual_seed(0)  # the same noise in every run (the global RNG varies)
+
     class Noisy(DynamicCache):
         def update(self, k, v, layer_idx, *args, **kwargs):
-            return super().update(k + 0.5 * k.std() * torch.randn_like(k), v, layer_idx, *args, **kwargs)
+            noise = torch.randn(k.shape, generator=gen, dtype=k.dtype)
+            return super().update(k + 0.5 * k.std() * noise, v, layer_idx, *args, **kwargs)
 
     noisy = CacheSpec.custom("noisy-keys", lambda m: Noisy(config=m.config), noise=0.5)
     overrides = {"memory.enabled": False, "speed.enabled": False, "retrieval.enabled": False}
