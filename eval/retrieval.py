@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -75,17 +76,17 @@ def answer_question(
     return got
 
 
-def _fan_out(model: Any, caches: list[Any]) -> Any:
+class _FanOut(DynamicCache):
     """A DynamicCache whose every ``update`` is also made, with the same arguments, on each of ``caches``."""
-    from transformers import DynamicCache
 
-    class FanOut(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            for cache in caches:
-                cache.update(key_states, value_states, layer_idx, *args, **kwargs)
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+    def __init__(self, config: Any, caches: list[Any]):
+        super().__init__(config=config)
+        self.caches = caches
 
-    return FanOut(config=model.config)
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        for cache in self.caches:
+            cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _score(text: str, key: str) -> bool:
@@ -162,7 +163,7 @@ def passkey_accuracy_shared(
         caches = {name: build() for name, build in builds.items()}
         model(
             input_ids=ids.to(device)[None, :-q_len],
-            cache=_fan_out(model, list(caches.values())),
+            cache=_FanOut(model.config, list(caches.values())),
             use_cache=True,
             logits_to_keep=1,
         )

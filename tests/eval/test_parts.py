@@ -189,7 +189,7 @@ def test_bytes_at_16bit_count_full_precision_tokens_at_two_bytes(tiny):
 
 
 def test_shared_prefill_passkey_gives_each_cache_its_own_answers(tiny, byte_tok):
-    from kvquant.eval.retrieval import _fan_out, passkey_accuracy, passkey_accuracy_shared
+    from kvquant.eval.retrieval import _FanOut, passkey_accuracy, passkey_accuracy_shared
 
     builds = {
         "dynamic": lambda: DynamicCache(config=tiny.config),
@@ -207,7 +207,7 @@ def test_shared_prefill_passkey_gives_each_cache_its_own_answers(tiny, byte_tok)
     ids = torch.randint(0, 100, (1, 200))
     fanned, alone = KVQuantCache(tiny.config, "nuq2"), KVQuantCache(tiny.config, "nuq2")
     with torch.no_grad():
-        tiny(input_ids=ids, cache=_fan_out(tiny, [fanned]), use_cache=True)
+        tiny(input_ids=ids, cache=_FanOut(tiny.config, [fanned]), use_cache=True)
         tiny(input_ids=ids, cache=alone, use_cache=True)
     for a, b in zip(fanned.layers, alone.layers, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a.read_history(), b.read_history(), strict=True))
