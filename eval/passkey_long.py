@@ -20,7 +20,7 @@ from kvquant.eval.caches import resolve_spec
 from kvquant.eval.config import EvalConfig, RetrievalSection
 from kvquant.eval.report import table
 from kvquant.eval.retrieval import passkey_accuracy_shared
-from kvquant.eval.runner import _resolve_lengths, load_eval_model, model_max_context
+from kvquant.eval.runner import load_eval_model, model_max_context, resolve_lengths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.validate()
     specs = [resolve_spec(c) for c in args.caches.split(",")]
     model, tok = load_eval_model(cfg)
-    lengths = _resolve_lengths(cfg, model_max_context(model))
+    lengths = resolve_lengths(cfg, model_max_context(model))
     start = time.perf_counter()
 
     def log(name: str, answer: dict) -> None:

@@ -120,7 +120,7 @@ def model_max_context(model: Any) -> int | None:
     return getattr(cfg, "max_position_embeddings", None)
 
 
-def _resolve_lengths(cfg: EvalConfig, limit: int | None) -> list[int]:
+def resolve_lengths(cfg: EvalConfig, limit: int | None) -> list[int]:
     """Retrieval lengths with "max" replaced by the model's limit (minus the answer tokens)."""
     answer = cfg.retrieval.digits + 2
     out = []
@@ -198,7 +198,7 @@ def run_eval(
         label, fingerprint = model.config.model_type, model_fingerprint(model)
     device = next(model.parameters()).device
     limit = model_max_context(model)
-    retrieval_lengths = _resolve_lengths(cfg, limit)
+    retrieval_lengths = resolve_lengths(cfg, limit)
     _check_limits(cfg, limit, retrieval_lengths)
 
     ids = tokenize(tokenizer, corpus.text)
@@ -251,8 +251,7 @@ def run_eval(
         "retrieval_lengths": retrieval_lengths,
     }
     bar = partial(progress_bar, enabled=cfg.progress)
-    ctx = EvalContext(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar)
-    ctx.prompts = prompts  # [P, prompt_len] free-run prompts (None when the task is off)
+    ctx = EvalContext(cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar, prompts=prompts)
 
     store = RecordStore(run_dir / "results.jsonl", key="key")
     done = store.records
@@ -288,13 +287,13 @@ def progress_bar(iterable, *, enabled: bool, **kwargs):
 class EvalContext:
     """What every cache's evaluation shares: model, tokenizer, windows, the baseline."""
 
-    def __init__(self, cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar):
+    def __init__(self, cfg, model, tokenizer, windows, ids, retrieval_lengths, run_dir, bar, prompts=None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.windows, self.ids, self.retrieval_lengths = windows, ids, retrieval_lengths
         self.run_dir, self.bar = run_dir, bar
         self.session = uuid.uuid4().hex[:12]
         self._baseline: torch.Tensor | None = None
-        self.prompts: torch.Tensor | None = None
+        self.prompts: torch.Tensor | None = prompts  # [P, prompt_len] free-run prompts (None: task off)
         self._free_ref: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------------------------- quality
