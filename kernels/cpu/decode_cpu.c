@@ -166,7 +166,8 @@ static inline void load_row(const kvq_operand *o, int64_t b, int64_t h, int64_t 
  * rows too: there it is one memcpy). */
 static int avx_loadable(const kvq_operand *o, int64_t D, int lanes) {
     if (D % lanes || D > 512 || o->bits == 32) return 0;
-    if (o->state_codes) return !(o->scale && !o->channel_axis && (D / o->n_groups) % lanes);
+    if (o->state_codes) /* (trellis_row8: states of up to 16 bits) */
+        return o->bits * o->state_codes <= 16 && !(o->scale && !o->channel_axis && (D / o->n_groups) % lanes);
     if (o->bits == 4 && (D / 2) % lanes) return 0;
     if (o->bits == 2 && (D / 4) % lanes) return 0;
     if (o->bits == 3 && (D / 8) % lanes) return 0;
@@ -632,6 +633,75 @@ static inline void unpack_row_sse(const uint8_t *restrict c, int bits, int D, ui
         for (int k = 0; k < 8; k++) idx[j + k * w1] |= ((c[w + j] >> k) & 1) << 2;
 }
 
+/* Trellis rows without gathers: on AVX2 machines a gather of 8 costs about as much as 8 scalar loads
+ * with their index arithmetic, and the states are cheaper formed 16 at a time. Each channel's state
+ * (its code and the m-1 before it; bits * m <= 16) is formed for a whole row with byte or 16-bit
+ * lane shifts of the unpacked codes, then the levels are read by scalar loads, 8 per vector. 2-bit
+ * codes with 8-bit states (tcq2) read two channels per load from a table of level pairs. */
+
+/* The level pairs of a 2-bit, 4-code trellis table (NULL for any other code): entry i = (state_d >> 6)
+ * | state_{d+1} << 2 (the 10 distinct bits of two neighbouring states) holds (level of d, level of
+ * d+1). 1,024 x 8 bytes, built once per thread and table. */
+static const uint64_t *trellis_pairs(const kvq_operand *o) {
+    static __thread uint64_t pairs[1024];
+    static __thread float key[256];
+    static __thread int built;
+    if (o->bits != 2 || o->state_codes != 4 || !o->lut) return NULL;
+    if (built && memcmp(key, o->lut, sizeof key) == 0) return pairs;
+    memcpy(key, o->lut, sizeof key);
+    for (int i = 0; i < 1024; i++) {
+        const int next = i >> 2, cur = ((i & 3) << 6) | (next >> 2);
+        const float ab[2] = {o->lut[cur], o->lut[next]};
+        memcpy(&pairs[i], ab, sizeof pairs[i]);
+    }
+    built = 1;
+    return pairs;
+}
+
+/* One trellis row: unpacked codes p[0..D) (p[-(m-1) .. -1]: the last m-1 codes, wrapped; p[D ..
+ * D+16): defined bytes) -> out[D] = the level of each channel's state times s[channel / gs] (s NULL:
+ * raw levels). pairs: trellis_pairs of this table, or NULL. D % 8 == 0, D <= 512. */
+static void trellis_row8(const uint8_t *p, int k, int m, int D, const float *lut, const uint64_t *pairs,
+                         const float *s, int gs, float *out) {
+    if (pairs) { /* 8-bit states, 16 per step (codes < 4 shifted by <= 6: no bit leaves its byte) */
+        uint8_t st[512 + 16];
+        for (int c = 0; c < D; c += 16) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(p + c));
+            for (int j = 1; j < m; j++)
+                x = _mm_or_si128(x, _mm_sll_epi16(_mm_loadu_si128((const __m128i *)(p + c - j)), _mm_cvtsi32_si128(j * k)));
+            _mm_storeu_si128((__m128i *)(st + c), x);
+        }
+        for (int c = 0; c < D; c += 8) { /* 4 pairs: the 10 bits from bit 6 of each 16 */
+            uint64_t u;
+            memcpy(&u, st + c, 8);
+            __m256 x = _mm256_castsi256_ps(_mm256_setr_epi64x(
+                (long long)pairs[(u >> 6) & 1023], (long long)pairs[(u >> 22) & 1023],
+                (long long)pairs[(u >> 38) & 1023], (long long)pairs[u >> 54]));
+            if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
+            _mm256_storeu_ps(out + c, x);
+        }
+        return;
+    }
+    uint16_t st[512 + 16]; /* states of up to 16 bits, 16 per step */
+    const uint64_t mask = (1u << (k * m)) - 1;
+    for (int c = 0; c < D; c += 16) {
+        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + c)));
+        for (int j = 1; j < m; j++)
+            x = _mm256_or_si256(x, _mm256_sll_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + c - j))),
+                                                    _mm_cvtsi32_si128(j * k)));
+        _mm256_storeu_si256((__m256i *)(st + c), x);
+    }
+    for (int c = 0; c < D; c += 8) {
+        uint64_t u, w;
+        memcpy(&u, st + c, 8);
+        memcpy(&w, st + c + 4, 8);
+        __m256 x = _mm256_setr_ps(lut[u & mask], lut[(u >> 16) & mask], lut[(u >> 32) & mask], lut[(u >> 48) & mask],
+                                  lut[w & mask], lut[(w >> 16) & mask], lut[(w >> 32) & mask], lut[(w >> 48) & mask]);
+        if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
+        _mm256_storeu_ps(out + c, x);
+    }
+}
+
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 8 channels per step: bytes -> 8 int32 codes (one
  * shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert; codebooks of
  * up to 16 levels: two 8-entry permutes blended on bit 3; fp8 and trellis states: a gather) -> times
@@ -655,11 +725,13 @@ static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, 
      * channel 0 (the state loads below then read bytes whose stores have completed: reading a
      * row's bytes right after writing them stalls on store forwarding) */
     uint8_t ib[8][16 + 512 + 16];
+    const uint64_t *pairs = o->state_codes ? trellis_pairs(o) : NULL;
     for (int64_t i = 0; o->state_codes && i < nt; i++) {
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
         const int m = o->state_codes;
         unpack_row_sse(row, o->bits, (int)D, ib[i] + 16);
         memcpy(ib[i] + 16 - (m - 1), ib[i] + 16 + D - (m - 1), (size_t)(m - 1));
+        memset(ib[i] + 16 + D, 0, 16); /* (states are formed 16 at a time: defined bytes past D) */
     }
     int64_t scale_row = -1; /* channel axis: the scale row in sb / zb (one per `group` tokens) */
     for (int64_t i = 0; i < nt; i++) {
@@ -673,17 +745,8 @@ static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, 
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
-        if (o->state_codes) { /* trellis: state = the code and the m-1 before it, one gather per 8 */
-            const int m = o->state_codes, k = o->bits;
-            for (int c = 0; c < nc; c++) {
-                const uint8_t *p = ib[i] + 16 + 8 * c;
-                __m256i st = bytes8(p);
-                for (int j = 1; j < m; j++)
-                    st = _mm256_or_si256(st, _mm256_sll_epi32(bytes8(p - j), _mm_cvtsi32_si128(j * k)));
-                __m256 x = _mm256_i32gather_ps(o->lut, st, 4);
-                if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[8 * c / gs]));
-                _mm256_storeu_ps(dst + 8 * c, x);
-            }
+        if (o->state_codes) {
+            trellis_row8(ib[i] + 16, o->bits, o->state_codes, (int)D, o->lut, pairs, s, gs, dst);
             continue;
         }
         if (raw && o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
