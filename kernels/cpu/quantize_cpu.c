@@ -433,14 +433,15 @@ int kvq_quantize_fp8(const float *x, int64_t B, int64_t H, int64_t n, int64_t D,
 #include <immintrin.h>
 
 /* One step of trellis_pass below for K = 4 or 8 codes per state and P % 8 == 0 predecessor groups,
- * 8 lanes at a time, the same IEEE operations in the same order (so the same costs, the same
+ * 8 groups at a time, the same IEEE operations in the same order (so the same costs, the same
  * choices): the least of each group's K predecessors (strict <, in j order: ties to the first),
- * then next[p K + b] = best[p] + (y_t - table[p K + b])^2, the square rounded before the sum. */
-__attribute__((optimize("fp-contract=off"))) static void trellis_step_avx2(
+ * then next[p K + b] = best[p] + (y_t - table[p K + b])^2, the square rounded before the sum. K is a
+ * constant in each instance (trellis_step_4 / _8): the j loop unrolls and the groups' compare chains
+ * overlap. */
+__attribute__((optimize("fp-contract=off"), always_inline)) static inline void trellis_step_k(
     const float *restrict cost, float *restrict next, uint8_t *restrict back, const float *restrict table,
-    float yt, int K, int P) {
-    float best[1024];
-    int32_t from[1024];
+    float yt, const int K, int P) {
+    const __m256 y = _mm256_set1_ps(yt);
     for (int p = 0; p < P; p += 8) {
         __m256 bv = _mm256_loadu_ps(cost + p);
         __m256i fv = _mm256_setzero_si256();
@@ -450,17 +451,29 @@ __attribute__((optimize("fp-contract=off"))) static void trellis_step_avx2(
             bv = _mm256_blendv_ps(bv, c, lt);
             fv = _mm256_blendv_epi8(fv, _mm256_set1_epi32(j), _mm256_castps_si256(lt));
         }
-        _mm256_storeu_ps(best + p, bv);
-        _mm256_storeu_si256((__m256i *)(from + p), fv);
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(fv), _mm256_extracti128_si256(fv, 1));
+        _mm_storel_epi64((__m128i *)(back + p), _mm_packus_epi16(w, w)); /* the 8 choices as bytes */
+        for (int i = 0; i < K; i++) { /* the K * 8 states of these 8 groups, 8 at a time */
+            const __m256i pick = K == 8 ? _mm256_set1_epi32(i)
+                                        : _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
+            const __m256 bb = _mm256_permutevar8x32_ps(bv, pick);
+            const int s0 = (p + (K == 8 ? i : 2 * i)) * K;
+            const __m256 e = _mm256_sub_ps(y, _mm256_loadu_ps(table + s0));
+            _mm256_storeu_ps(next + s0, _mm256_add_ps(bb, _mm256_mul_ps(e, e)));
+        }
     }
-    for (int p = 0; p < P; p++) back[p] = (uint8_t)from[p];
-    const __m256 y = _mm256_set1_ps(yt);
-    for (int s = 0; s < P * K; s += 8) { /* 8 states: one group (K = 8) or two (K = 4) */
-        const __m256 bb = K == 8 ? _mm256_set1_ps(best[s / 8])
-                                 : _mm256_setr_m128(_mm_set1_ps(best[s / 4]), _mm_set1_ps(best[s / 4 + 1]));
-        const __m256 e = _mm256_sub_ps(y, _mm256_loadu_ps(table + s));
-        _mm256_storeu_ps(next + s, _mm256_add_ps(bb, _mm256_mul_ps(e, e)));
-    }
+}
+
+__attribute__((optimize("fp-contract=off"))) static void trellis_step_4(const float *restrict cost, float *restrict next,
+                                                                       uint8_t *restrict back, const float *restrict table,
+                                                                       float yt, int P) {
+    trellis_step_k(cost, next, back, table, yt, 4, P);
+}
+
+__attribute__((optimize("fp-contract=off"))) static void trellis_step_8(const float *restrict cost, float *restrict next,
+                                                                       uint8_t *restrict back, const float *restrict table,
+                                                                       float yt, int P) {
+    trellis_step_k(cost, next, back, table, yt, 8, P);
 }
 #endif
 
@@ -481,7 +494,8 @@ __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
     for (int64_t t = 1; t < d; t++) {
 #if defined(__AVX2__)
         if (wide) {
-            trellis_step_avx2(cost, next, back + t * P, table, y[t], K, P);
+            if (K == 8) trellis_step_8(cost, next, back + t * P, table, y[t], P);
+            else trellis_step_4(cost, next, back + t * P, table, y[t], P);
             float *tmp = cost;
             cost = next;
             next = tmp;
