@@ -702,30 +702,50 @@ static void trellis_row8(const uint8_t *p, int k, int m, int D, const float *lut
     }
 }
 
+/* What load_block8 needs of an operand that does not change from block to block: where each chunk
+ * of 8 channels lies in a row's bytes (chunk_planes), the level registers of small codebooks, the
+ * trellis pair table. Made once per (row, head) call: divisions and table checks stay out of the
+ * per-block loop. */
+typedef struct {
+    int off[64], shift[64], off1[64], shift1[64];
+    int nc, w, small_lut, n_lut, gs;
+    __m256i mask;
+    __m256 lut_lo, lut_hi;
+    const uint64_t *pairs; /* trellis_pairs, or NULL */
+} block8_plan;
+
+static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
+    pl->nc = (int)(D / 8);
+    chunk_planes(o, D, 8, pl->off, pl->shift, pl->off1, pl->shift1);
+    pl->w = o->bits == 4 ? (int)(D / 2) : 0;
+    pl->mask = _mm256_set1_epi32(o->bits == 8 ? 255 : (o->bits == 4 ? 15 : 3));
+    pl->small_lut = o->lut && o->bits < 8 && !o->state_codes;
+    pl->n_lut = pl->small_lut ? 1 << o->bits : 0; /* its entries; read no further */
+    const __m256i first = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    pl->lut_lo = pl->small_lut ? _mm256_maskload_ps(o->lut, _mm256_cmpgt_epi32(_mm256_set1_epi32(pl->n_lut), first))
+                               : _mm256_setzero_ps();
+    pl->lut_hi = pl->n_lut > 8 ? _mm256_loadu_ps(o->lut + 8) : _mm256_setzero_ps();
+    pl->gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
+    pl->pairs = o->state_codes ? trellis_pairs(o) : NULL;
+}
+
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 8 channels per step: bytes -> 8 int32 codes (one
  * shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert; codebooks of
- * up to 16 levels: two 8-entry permutes blended on bit 3; fp8 and trellis states: a gather) -> times
- * scale plus zero point. raw: codes without the scales (one-scale-per-token fold). */
-static void load_block8(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, int64_t D,
-                        float *out, int raw) {
-    const int nc = (int)(D / 8);
-    int off[64], shift[64], off1[64], shift1[64];
-    chunk_planes(o, D, 8, off, shift, off1, shift1);
-    const int w = o->bits == 4 ? (int)(D / 2) : 0;
-    const __m256i mask = _mm256_set1_epi32(o->bits == 8 ? 255 : (o->bits == 4 ? 15 : 3));
-    const int small_lut = o->lut && o->bits < 8 && !o->state_codes;
-    const int n_lut = small_lut ? 1 << o->bits : 0; /* its entries; read no further */
-    const __m256i first = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 lut_lo = small_lut ? _mm256_maskload_ps(o->lut, _mm256_cmpgt_epi32(_mm256_set1_epi32(n_lut), first))
-                                    : _mm256_setzero_ps();
-    const __m256 lut_hi = n_lut > 8 ? _mm256_loadu_ps(o->lut + 8) : _mm256_setzero_ps();
-    const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
+ * up to 16 levels: two 8-entry permutes blended on bit 3; fp8: F16C or a gather; trellis states:
+ * trellis_row8) -> times scale plus zero point. raw: codes without the scales (one-scale-per-token
+ * fold). pl: plan_block8 of this operand and D. */
+static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, int64_t h, int64_t t0, int64_t nt,
+                        int64_t D, float *out, int raw) {
+    const int nc = pl->nc, w = pl->w, small_lut = pl->small_lut, n_lut = pl->n_lut, gs = pl->gs;
+    const int *off = pl->off, *shift = pl->shift, *off1 = pl->off1, *shift1 = pl->shift1;
+    const __m256i mask = pl->mask;
+    const __m256 lut_lo = pl->lut_lo, lut_hi = pl->lut_hi;
+    const uint64_t *pairs = pl->pairs;
     float sb[512], zb[512];
     /* trellis: every row's codes unpacked first, each with the m-1 codes that wrap around before
      * channel 0 (the state loads below then read bytes whose stores have completed: reading a
      * row's bytes right after writing them stalls on store forwarding) */
     uint8_t ib[8][16 + 512 + 16];
-    const uint64_t *pairs = o->state_codes ? trellis_pairs(o) : NULL;
     for (int64_t i = 0; o->state_codes && i < nt; i++) {
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
         const int m = o->state_codes;
@@ -818,11 +838,14 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
     float p_all[8 * 64]; /* probabilities of the block, [G][8]; G <= 64 checked by the caller */
     float qsum[64], zacc[64];
     fold_init(qh, G, D, qsum, zacc);
+    block8_plan k_plan, v_plan;
+    if (k_fast) plan_block8(k, D, &k_plan);
+    if (v_fast) plan_block8(v, D, &v_plan);
     for (int64_t t0 = t_begin; t0 < T; t0 += 8) {
         const int64_t nt = T - t0 < 8 ? T - t0 : 8;
-        if (k_fast) load_block8(k, b, h, t0, nt, D, kb, k_fold);
+        if (k_fast) load_block8(k, &k_plan, b, h, t0, nt, D, kb, k_fold);
         else for (int64_t i = 0; i < nt; i++) load_row(k, b, h, t0 + i, (int)D, idx, kb + i * D);
-        if (v_fast) load_block8(v, b, h, t0, nt, D, vb, v_fold);
+        if (v_fast) load_block8(v, &v_plan, b, h, t0, nt, D, vb, v_fold);
         else for (int64_t i = 0; i < nt; i++) load_row(v, b, h, t0 + i, (int)D, idx, vb + i * D);
         if (nt < 8) { /* the last block: rows beyond it zero, so that all 8 rows can be read */
             memset(kb + nt * D, 0, sizeof(float) * (size_t)((8 - nt) * D));
