@@ -50,6 +50,7 @@ static inline void load_scales(const kvq_operand *o, int64_t b, int64_t h, int64
 
 /* exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7; vectorizes. */
 static inline float exp_nonpos(float x) {
+    if (x == 0.0f) return 1.0f; /* (what the polynomial gives: the usual case, a running max unchanged) */
     const int underflow = x < -87.0f;
     x = underflow ? -87.0f : x;
     const float log2e = 1.44269504088896341f;
@@ -222,6 +223,20 @@ static void fold_zero_points(const kvq_operand *v, int v_fold, int64_t G, int64_
  * zero points 0 without them). */
 static void token_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, int lanes,
                          float *sv, float *zv) {
+#if defined(__F16C__)
+    if (lanes == 8 && nt == 8 && o->scale_dtype == 1 && o->scale_st == 1 && (!o->zero || o->zero_st == 1)) {
+        /* fp16, one per token, consecutive: 8 at once */
+        const uint16_t *sp = (const uint16_t *)o->scale + b * o->scale_sb + h * o->scale_sh + t0;
+        _mm256_storeu_ps(sv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp)));
+        if (o->zero) {
+            const uint16_t *zp = (const uint16_t *)o->zero + b * o->zero_sb + h * o->zero_sh + t0;
+            _mm256_storeu_ps(zv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)zp)));
+        } else {
+            _mm256_storeu_ps(zv, _mm256_setzero_ps());
+        }
+        return;
+    }
+#endif
     for (int i = 0; i < lanes; i++) sv[i] = zv[i] = 0.0f;
     for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 1, sv + i, zv + i);
 }
