@@ -838,11 +838,12 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
     }
 }
 
-/* One (batch row, KV head), tokens [t_begin, T) in blocks of 8: each block's key and value rows are
- * dequantized into kb / vb [8, D] (L1-resident; load_row for an operand load_block8 cannot read),
- * scores for 8 tokens come out of one hsum8, the softmax runs on 8 lanes, and each query head's
- * accumulator chunk stays in a register across the block's 8 value rows. valid (NULL: all): token
- * t attends only where valid[t] is 1 (the full-precision tokens). Needs D % 8 == 0. */
+/* One (batch row, KV head), tokens [t_begin, T) in blocks of 16: each block's key and value rows are
+ * dequantized into kb / vb [16, D] (L1-resident; 8 rows per load_block8, load_row for an operand
+ * load_block8 cannot read), scores for 8 tokens come out of one hsum8, the softmax bookkeeping
+ * (running max, rescale, sum) runs once per 16 tokens, and each query head's accumulator chunk stays
+ * in a register across the block's 16 value rows. valid (NULL: all): token t attends only where
+ * valid[t] is 1 (the full-precision tokens). Needs D % 8 == 0. */
 static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
                              const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin, int64_t T,
                              float scaling, float softcap, float *kb, float *vb, uint8_t *idx, float *m,
@@ -850,73 +851,91 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
     const int64_t nc = D / 8;
     const int k_fast = avx_loadable(k, D, 8), v_fast = avx_loadable(v, D, 8);
     const int k_fold = one_scale_per_token(k, k_fast), v_fold = one_scale_per_token(v, v_fast);
-    float p_all[8 * 64]; /* probabilities of the block, [G][8]; G <= 64 checked by the caller */
+    float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
     float qsum[64], zacc[64];
     fold_init(qh, G, D, qsum, zacc);
     block8_plan k_plan, v_plan;
     if (k_fast) plan_block8(k, D, &k_plan);
     if (v_fast) plan_block8(v, D, &v_plan);
-    for (int64_t t0 = t_begin; t0 < T; t0 += 8) {
-        const int64_t nt = T - t0 < 8 ? T - t0 : 8;
-        if (k_fast) load_block8(k, &k_plan, b, h, t0, nt, D, kb, k_fold);
-        else for (int64_t i = 0; i < nt; i++) load_row(k, b, h, t0 + i, (int)D, idx, kb + i * D);
-        if (v_fast) load_block8(v, &v_plan, b, h, t0, nt, D, vb, v_fold);
-        else for (int64_t i = 0; i < nt; i++) load_row(v, b, h, t0 + i, (int)D, idx, vb + i * D);
-        if (nt < 8) { /* the last block: rows beyond it zero, so that all 8 rows can be read */
-            memset(kb + nt * D, 0, sizeof(float) * (size_t)((8 - nt) * D));
-            memset(vb + nt * D, 0, sizeof(float) * (size_t)((8 - nt) * D));
+    for (int64_t t0 = t_begin; t0 < T; t0 += 16) {
+        const int64_t nt = T - t0 < 16 ? T - t0 : 16;
+        for (int64_t h0 = 0; h0 < nt; h0 += 8) { /* the block's two halves of 8 rows */
+            const int64_t n8 = nt - h0 < 8 ? nt - h0 : 8;
+            if (k_fast) load_block8(k, &k_plan, b, h, t0 + h0, n8, D, kb + h0 * D, k_fold);
+            else for (int64_t i = 0; i < n8; i++) load_row(k, b, h, t0 + h0 + i, (int)D, idx, kb + (h0 + i) * D);
+            if (v_fast) load_block8(v, &v_plan, b, h, t0 + h0, n8, D, vb + h0 * D, v_fold);
+            else for (int64_t i = 0; i < n8; i++) load_row(v, b, h, t0 + h0 + i, (int)D, idx, vb + (h0 + i) * D);
         }
-        float sc[4][8]; /* key scale, key zero, value scale, value zero of each token (0 beyond nt) */
-        if (k_fold) token_scales(k, b, h, t0, nt, 8, sc[0], sc[1]);
-        if (v_fold) token_scales(v, b, h, t0, nt, 8, sc[2], sc[3]);
-        const __m256 ks = k_fold ? _mm256_loadu_ps(sc[0]) : _mm256_setzero_ps();
-        const __m256 kz = k_fold ? _mm256_loadu_ps(sc[1]) : _mm256_setzero_ps();
-        const __m256 vs = v_fold ? _mm256_loadu_ps(sc[2]) : _mm256_setzero_ps();
-        const __m256 vz = v_fold ? _mm256_loadu_ps(sc[3]) : _mm256_setzero_ps();
-        int32_t live[8]; /* lanes that attend: in the block and not masked out */
-        for (int64_t i = 0; i < 8; i++) live[i] = i < nt && (!valid || valid[t0 + i]) ? -1 : 0;
-        const __m256 attend = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)live));
+        if (nt < 16) { /* the last block: rows beyond it zero, so that all 16 rows can be read */
+            memset(kb + nt * D, 0, sizeof(float) * (size_t)((16 - nt) * D));
+            memset(vb + nt * D, 0, sizeof(float) * (size_t)((16 - nt) * D));
+        }
+        float sc[4][16]; /* key scale, key zero, value scale, value zero of each token (0 beyond nt) */
+        for (int hh = 0; hh < 2; hh++) {
+            const int64_t h0 = 8 * hh, n8 = nt - h0 < 0 ? 0 : (nt - h0 < 8 ? nt - h0 : 8);
+            if (k_fold) token_scales(k, b, h, t0 + h0, n8, 8, sc[0] + h0, sc[1] + h0);
+            if (v_fold) token_scales(v, b, h, t0 + h0, n8, 8, sc[2] + h0, sc[3] + h0);
+        }
+        int32_t live[16]; /* lanes that attend: in the block and not masked out */
+        for (int64_t i = 0; i < 16; i++) live[i] = i < nt && (!valid || valid[t0 + i]) ? -1 : 0;
+        const __m256 attend[2] = {_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)live)),
+                                  _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(live + 8)))};
+        const int halves = nt > 8 ? 2 : 1;
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qh + g * D;
-            __m256 part[8]; /* one FMA chain per row, side by side (a chain per row in turn waits on FMA latency) */
-            for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < nc; c++) {
-                const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
-                for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + i * D + 8 * c), part[i]);
+            __m256 s[2];
+            for (int hh = 0; hh < halves; hh++) {
+                const float *kh = kb + 8 * hh * D;
+                __m256 part[8]; /* one FMA chain per row, side by side (a chain per row in turn waits on FMA latency) */
+                for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < nc; c++) {
+                    const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                    for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kh + i * D + 8 * c), part[i]);
+                }
+                __m256 x = hsum8(part);
+                if (k_fold)
+                    x = _mm256_fmadd_ps(x, _mm256_loadu_ps(sc[0] + 8 * hh),
+                                        _mm256_mul_ps(_mm256_loadu_ps(sc[1] + 8 * hh), _mm256_set1_ps(qsum[g])));
+                x = _mm256_mul_ps(x, _mm256_set1_ps(scaling));
+                if (softcap > 0.0f) {
+                    float tmp[8];
+                    _mm256_storeu_ps(tmp, x);
+                    softcap_scores(tmp, 8, softcap);
+                    x = _mm256_loadu_ps(tmp);
+                }
+                s[hh] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, attend[hh]); /* masked: weight exactly 0 */
             }
-            __m256 s = hsum8(part);
-            if (k_fold) s = _mm256_fmadd_ps(s, ks, _mm256_mul_ps(kz, _mm256_set1_ps(qsum[g])));
-            s = _mm256_mul_ps(s, _mm256_set1_ps(scaling));
-            if (softcap > 0.0f) {
-                float tmp[8];
-                _mm256_storeu_ps(tmp, s);
-                softcap_scores(tmp, 8, softcap);
-                s = _mm256_loadu_ps(tmp);
-            }
-            s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, attend); /* masked: weight exactly 0 */
-            if (isnan(m[g]) || _mm256_movemask_ps(_mm256_cmp_ps(s, s, _CMP_UNORD_Q))) {
+            if (halves == 1) s[1] = _mm256_set1_ps(-INFINITY);
+            const __m256 unord = _mm256_or_ps(_mm256_cmp_ps(s[0], s[0], _CMP_UNORD_Q), _mm256_cmp_ps(s[1], s[1], _CMP_UNORD_Q));
+            if (isnan(m[g]) || _mm256_movemask_ps(unord)) {
                 m[g] = NAN; /* a NaN score poisons the row, as in torch */
                 continue;
             }
-            const float bmax = reduce_max8(s);
+            const float bmax = reduce_max8(_mm256_max_ps(s[0], s[1]));
             const float mx = bmax > m[g] ? bmax : m[g];
             if (mx == -INFINITY) continue; /* every token so far masked: no weight */
             const float corr = m[g] == -INFINITY ? 0.0f : exp_nonpos(m[g] - mx);
-            const __m256 p = exp8(_mm256_sub_ps(s, _mm256_set1_ps(mx))); /* -inf lanes: 0 */
-            l[g] = l[g] * corr + reduce_add8(p);
+            const __m256 p0 = exp8(_mm256_sub_ps(s[0], _mm256_set1_ps(mx))); /* -inf lanes: 0 */
+            const __m256 p1 = exp8(_mm256_sub_ps(s[1], _mm256_set1_ps(mx)));
+            l[g] = l[g] * corr + reduce_add8(_mm256_add_ps(p0, p1));
             m[g] = mx;
-            float *pg = p_all + g * 8;
+            float *pg = p_all + g * 16;
             if (v_fold) {
-                zacc[g] = zacc[g] * corr + reduce_add8(_mm256_mul_ps(p, vz));
-                _mm256_storeu_ps(pg, _mm256_mul_ps(p, vs));
+                const __m256 vs0 = _mm256_loadu_ps(sc[2]), vs1 = _mm256_loadu_ps(sc[2] + 8);
+                const __m256 vz0 = _mm256_loadu_ps(sc[3]), vz1 = _mm256_loadu_ps(sc[3] + 8);
+                zacc[g] = zacc[g] * corr + reduce_add8(_mm256_add_ps(_mm256_mul_ps(p0, vz0), _mm256_mul_ps(p1, vz1)));
+                _mm256_storeu_ps(pg, _mm256_mul_ps(p0, vs0));
+                _mm256_storeu_ps(pg + 8, _mm256_mul_ps(p1, vs1));
             } else {
-                _mm256_storeu_ps(pg, p);
+                _mm256_storeu_ps(pg, p0);
+                _mm256_storeu_ps(pg + 8, p1);
             }
             float *ag = acc + g * D;
             const __m256 vc = _mm256_set1_ps(corr);
-            for (int64_t c = 0; c < nc; c++) { /* all 8 rows (p 0 beyond nt) in two FMA chains */
+            const int rows = 8 * halves;
+            for (int64_t c = 0; c < nc; c++) { /* the block's rows (p 0 beyond nt) in two FMA chains */
                 __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
-                for (int i = 0; i < 8; i += 2) {
+                for (int i = 0; i < rows; i += 2) {
                     a = _mm256_fmadd_ps(_mm256_set1_ps(pg[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
                     a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[i + 1]), _mm256_loadu_ps(vb + (i + 1) * D + 8 * c), a1);
                 }
