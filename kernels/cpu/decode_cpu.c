@@ -765,7 +765,10 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
         const int m = o->state_codes;
         unpack_row_sse(row, o->bits, (int)D, ib[i] + 16);
-        memcpy(ib[i] + 16 - (m - 1), ib[i] + 16 + D - (m - 1), (size_t)(m - 1));
+        if (m <= 5 && D >= 4) /* the last 4 codes before channel 0 (a fixed-size copy: no call) */
+            memcpy(ib[i] + 16 - 4, ib[i] + 16 + D - 4, 4);
+        else
+            memcpy(ib[i] + 16 - (m - 1), ib[i] + 16 + D - (m - 1), (size_t)(m - 1));
         memset(ib[i] + 16 + D, 0, 16); /* (states are formed 16 at a time: defined bytes past D) */
     }
     int64_t scale_row = -1; /* channel axis: the scale row in sb / zb (one per `group` tokens) */
