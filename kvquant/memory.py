@@ -78,6 +78,26 @@ def layer_bytes(
     return out
 
 
+def layer_groups(
+    cfg: KVQuantConfig, layer_types: list[str], sliding_windows: list[int | None]
+) -> list[tuple[KVQuantConfig, int | None, int]]:
+    """The layers of a cache as ``(layer config, sliding window, count)`` groups of identical layers
+    (``dummy`` layers hold nothing and are left out), in order of first appearance.
+
+    Example:
+        >>> [(c.key_format, w, n) for c, w, n in layer_groups(KVQuantConfig(), ["full_attention"] * 3, [None] * 3)]
+        [('int8', None, 3)]
+    """
+    n = len(layer_types)
+    groups: dict[tuple, list] = {}
+    for i, (kind, window) in enumerate(zip(layer_types, sliding_windows, strict=True)):
+        if kind == "dummy":
+            continue
+        layer_cfg = cfg.for_layer(i, n)
+        groups.setdefault((repr(layer_cfg), window), [layer_cfg, window, 0])[2] += 1
+    return [(c, w, k) for c, w, k in groups.values()]
+
+
 def model_cache_bytes(
     cfg: KVQuantConfig,
     layer_types: list[str],
@@ -89,11 +109,7 @@ def model_cache_bytes(
     fp_itemsize: int,
 ) -> int:
     """Total bytes of a :class:`~kvquant.KVQuantCache` over all layers (``dummy`` layers hold none)."""
-    n = len(layer_types)
-    total = 0
-    for i, (kind, window) in enumerate(zip(layer_types, sliding_windows, strict=True)):
-        if kind == "dummy":
-            continue
-        layer_cfg = cfg.for_layer(i, n)
-        total += layer_bytes(layer_cfg, tokens, batch, heads, head_dim, fp_itemsize, window)["total"]
-    return total
+    return sum(
+        count * layer_bytes(layer_cfg, tokens, batch, heads, head_dim, fp_itemsize, window)["total"]
+        for layer_cfg, window, count in layer_groups(cfg, layer_types, sliding_windows)
+    )

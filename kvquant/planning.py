@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvquant.config import KVQuantConfig, preset_names
-from kvquant.memory import layer_bytes
+from kvquant.memory import layer_groups, model_cache_bytes
 
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4,
@@ -193,24 +193,17 @@ class _KVModel:
         self.heads = heads or getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.head_dim = _head_dim(text)
         self.fp_itemsize = fp_itemsize
-        n = len(types)
-        groups: dict[tuple, list] = {}
-        for i, (kind, kw) in enumerate(zip(types, kwargs, strict=True)):
-            if kind == "dummy":
-                continue
-            cfg, window = quant.for_layer(i, n), kw.get("sliding_window")
-            groups.setdefault((repr(cfg), window), [cfg, window, 0])[2] += 1
-        self.groups = [tuple(g) for g in groups.values()]
+        self.types, self.windows = types, [kw.get("sliding_window") for kw in kwargs]
+        self.quant = quant
+        self.groups = layer_groups(quant, self.types, self.windows)
         self._bytes: dict[tuple[int, int], int] = {}  # (tokens, batch) -> bytes; searches revisit them
 
     def bytes(self, tokens: int, batch: int = 1) -> int:
-        """Exact bytes of a KVQuantCache after ``tokens`` positions (== ``model_cache_bytes``)."""
+        """Exact bytes of a KVQuantCache after ``tokens`` positions (``model_cache_bytes``, memoised)."""
         key = (tokens, batch)
         if key not in self._bytes:
-            dims = (batch, self.heads, self.head_dim, self.fp_itemsize)
-            self._bytes[key] = sum(
-                count * layer_bytes(cfg, tokens, *dims, window)["total"] for cfg, window, count in self.groups
-            )
+            dims = (self.heads, self.head_dim, self.fp_itemsize)
+            self._bytes[key] = model_cache_bytes(self.quant, self.types, self.windows, tokens, batch, *dims)
         return self._bytes[key]
 
     def held_elements(self, tokens: int, batch: int = 1) -> int:
