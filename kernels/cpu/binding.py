@@ -246,10 +246,18 @@ def decode_attention_native(
             keep.append(valid)
     n_x, xk, xv, xstart, xend = len(extra), None, None, None, None
     if extra:  # more segments (kernels.backend.SegmentRead), read in the same softmax
-        ks = [_cached_operand(*s.tensors()[:3], s.k_fmt, s.k_group, s.k_axis, keep) for s in extra]
-        vs = [_cached_operand(*s.tensors()[3:], s.v_fmt, s.v_group, "token", keep) for s in extra]
+        ks = [
+            _cached_operand(s.k_codes, s.k_scale, s.k_zero, s.k_fmt, s.k_group, s.k_axis, keep) for s in extra
+        ]
+        vs = [
+            _cached_operand(s.v_codes, s.v_scale, s.v_zero, s.v_fmt, s.v_group, "token", keep) for s in extra
+        ]
         xk, xv = (_Operand * n_x)(*ks), (_Operand * n_x)(*vs)
-        starts = torch.cat([s.start.to(torch.int64).reshape(b) for s in extra])  # [n_x * B]
+        s0 = extra[0].start
+        if n_x == 1 and s0.dtype == torch.int64 and s0.is_contiguous() and s0.numel() == b:
+            starts = s0  # (the usual case: one recent window, its starts as the layer keeps them)
+        else:
+            starts = torch.cat([s.start.to(torch.int64).reshape(b) for s in extra])  # [n_x * B]
         ends = (ctypes.c_int64 * n_x)(*(s.end for s in extra))
         keep += [starts, ends]
         xstart, xend = starts.data_ptr(), ctypes.addressof(ends)
