@@ -389,8 +389,11 @@ def transcode_native(src, i0: int, i1: int, dst, index: int, *, via: torch.dtype
     op = _cached_operand(codes, scale, zero, fmt, group, axis, keep)
     w = _cached_writer(*dst)
     b, h, n = codes.shape[0], codes.shape[1], i1 - i0
+    rows = b * h * n
+    # a trellis search costs a long decode's worth per row: threads as soon as there are rows to share
+    threads = min(max(1, torch.get_num_threads()), rows) if dst[3] in TRELLIS_FORMATS else _threads(rows * 16)
     rc = _library().kvq_transcode(
-        ctypes.byref(op), b, h, i0, n, head_dim, ctypes.byref(w), index, _VIA[via], _threads(b * h * n * 16)
+        ctypes.byref(op), b, h, i0, n, head_dim, ctypes.byref(w), index, _VIA[via], threads
     )
     if rc < 0:
         raise MemoryError("native CPU transcode: out of memory")
