@@ -673,6 +673,41 @@ static const uint64_t *trellis_pairs(const kvq_operand *o) {
     return pairs;
 }
 
+/* Levels of a 2-bit, 4-code trellis row from its 8-bit states st[0..D): two channels per load from
+ * the pair table (trellis_pairs), times s[channel / gs] (s NULL: raw). */
+static inline void trellis_pair_levels(const uint8_t *st, int D, const uint64_t *pairs, const float *s, int gs,
+                                       float *out) {
+    for (int c = 0; c < D; c += 8) { /* 4 pairs: the 10 bits from bit 6 of each 16 */
+        uint64_t u;
+        memcpy(&u, st + c, 8);
+        __m256 x = _mm256_castsi256_ps(_mm256_setr_epi64x(
+            (long long)pairs[(u >> 6) & 1023], (long long)pairs[(u >> 22) & 1023],
+            (long long)pairs[(u >> 38) & 1023], (long long)pairs[u >> 54]));
+        if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
+        _mm256_storeu_ps(out + c, x);
+    }
+}
+
+/* The 8-bit states of a 2-bit, 4-code trellis row straight from its packed bytes (D % 64 == 0: each
+ * of the 4 bit planes holds D / 4 channels, whole vectors of 16), in registers: each vector of 16
+ * codes is one plane's shift and mask of 16 bytes, and the codes 1, 2, 3 channels back are byte
+ * alignments of it with the vector before (circularly: the last one before the first). */
+static void tcq2_states_packed(const uint8_t *row, int D, uint8_t *st) {
+    const int w = D / 4, nv = D / 16, per = w / 16; /* bytes per plane, vectors, vectors per plane */
+    const __m128i three = _mm_set1_epi8(3);
+    __m128i prev = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(row + w - 16)), 6), three);
+    for (int i = 0; i < nv; i++) { /* vector i: plane i / per, bytes 16 (i % per) .. */
+        const int plane = i / per, at = 16 * (i % per);
+        const __m128i cur = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(row + at)), _mm_cvtsi32_si128(2 * plane)), three);
+        __m128i x = cur;
+        x = _mm_or_si128(x, _mm_slli_epi16(_mm_alignr_epi8(cur, prev, 15), 2));
+        x = _mm_or_si128(x, _mm_slli_epi16(_mm_alignr_epi8(cur, prev, 14), 4));
+        x = _mm_or_si128(x, _mm_slli_epi16(_mm_alignr_epi8(cur, prev, 13), 6));
+        _mm_storeu_si128((__m128i *)(st + 16 * i), x);
+        prev = cur;
+    }
+}
+
 /* One trellis row: unpacked codes p[0..D) (p[-(m-1) .. -1]: the last m-1 codes, wrapped; p[D ..
  * D+16): defined bytes) -> out[D] = the level of each channel's state times s[channel / gs] (s NULL:
  * raw levels). pairs: trellis_pairs of this table, or NULL. D % 8 == 0, D <= 512. */
@@ -686,15 +721,7 @@ static void trellis_row8(const uint8_t *p, int k, int m, int D, const float *lut
                 x = _mm_or_si128(x, _mm_sll_epi16(_mm_loadu_si128((const __m128i *)(p + c - j)), _mm_cvtsi32_si128(j * k)));
             _mm_storeu_si128((__m128i *)(st + c), x);
         }
-        for (int c = 0; c < D; c += 8) { /* 4 pairs: the 10 bits from bit 6 of each 16 */
-            uint64_t u;
-            memcpy(&u, st + c, 8);
-            __m256 x = _mm256_castsi256_ps(_mm256_setr_epi64x(
-                (long long)pairs[(u >> 6) & 1023], (long long)pairs[(u >> 22) & 1023],
-                (long long)pairs[(u >> 38) & 1023], (long long)pairs[u >> 54]));
-            if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
-            _mm256_storeu_ps(out + c, x);
-        }
+        trellis_pair_levels(st, D, pairs, s, gs, out);
         return;
     }
     uint16_t st[512 + 16]; /* states of up to 16 bits, 16 per step */
@@ -761,7 +788,8 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
      * channel 0 (the state loads below then read bytes whose stores have completed: reading a
      * row's bytes right after writing them stalls on store forwarding) */
     uint8_t ib[8][16 + 512 + 16];
-    for (int64_t i = 0; o->state_codes && i < nt; i++) {
+    const int packed_states = pairs && D % 64 == 0; /* tcq2: states from the packed bytes (tcq2_states_packed) */
+    for (int64_t i = 0; o->state_codes && !packed_states && i < nt; i++) {
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
         const int m = o->state_codes;
         unpack_row_sse(row, o->bits, (int)D, ib[i] + 16);
@@ -783,6 +811,12 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
+        if (packed_states) {
+            uint8_t st[512];
+            tcq2_states_packed(row, (int)D, st);
+            trellis_pair_levels(st, (int)D, pairs, s, gs, dst);
+            continue;
+        }
         if (o->state_codes) {
             trellis_row8(ib[i] + 16, o->bits, o->state_codes, (int)D, o->lut, pairs, s, gs, dst);
             continue;

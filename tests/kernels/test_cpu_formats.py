@@ -68,7 +68,7 @@ def _decode(k_fmt, v_fmt, *, d, t=77, b=2, hkv=3, g=3, k_group=None, v_group=Non
 
 
 @pytest.mark.parametrize("fmt", ["tcq2", "tcq3"])
-@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])  # (tcq2 at D % 64 == 0: states from the packed bytes)
 def test_trellis_decode_matches_the_torch_twin(fmt, d):
     _decode(fmt, fmt, d=d, seed=d)
     _decode(fmt, fmt, d=d, k_group=d // 2, v_group=16, seed=d + 1)  # several scales per head
