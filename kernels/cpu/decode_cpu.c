@@ -688,23 +688,90 @@ static inline void trellis_pair_levels(const uint8_t *st, int D, const uint64_t 
     }
 }
 
+/* Where the codes of channels 16 i .. 16 i + 15 lie in a packed 2- or 3-bit row (D % 64 == 0): the
+ * low two bits at byte lo_off[i], bit lo_sh[i]; 3-bit: the high bit at byte hi_off[i], bit hi_sh[i]
+ * (hi_split: D == 64, channels 8 .. 15 of the vector one plane further, the same 8 bytes). */
+typedef struct {
+    int nv, hi_split;
+    int lo_off[32], lo_sh[32], hi_off[32], hi_sh[32];
+} packed_layout;
+
+static void plan_packed(int bits, int D, packed_layout *pk) {
+    const int w = D / 4, w1 = D / 8;
+    pk->nv = D / 16;
+    pk->hi_split = bits == 3 && w1 < 16;
+    for (int i = 0; i < pk->nv; i++) {
+        const int d0 = 16 * i, k = d0 / w, k1 = d0 / w1;
+        pk->lo_off[i] = d0 - k * w, pk->lo_sh[i] = 2 * k;
+        pk->hi_off[i] = w + d0 - k1 * w1, pk->hi_sh[i] = k1;
+    }
+}
+
 /* The 8-bit states of a 2-bit, 4-code trellis row straight from its packed bytes (D % 64 == 0: each
  * of the 4 bit planes holds D / 4 channels, whole vectors of 16), in registers: each vector of 16
  * codes is one plane's shift and mask of 16 bytes, and the codes 1, 2, 3 channels back are byte
  * alignments of it with the vector before (circularly: the last one before the first). */
-static void tcq2_states_packed(const uint8_t *row, int D, uint8_t *st) {
-    const int w = D / 4, nv = D / 16, per = w / 16; /* bytes per plane, vectors, vectors per plane */
+static void tcq2_states_packed(const uint8_t *row, const packed_layout *pk, uint8_t *st) {
+    const int nv = pk->nv;
     const __m128i three = _mm_set1_epi8(3);
-    __m128i prev = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(row + w - 16)), 6), three);
-    for (int i = 0; i < nv; i++) { /* vector i: plane i / per, bytes 16 (i % per) .. */
-        const int plane = i / per, at = 16 * (i % per);
-        const __m128i cur = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(row + at)), _mm_cvtsi32_si128(2 * plane)), three);
+    __m128i prev = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(row + pk->lo_off[nv - 1])),
+                                               _mm_cvtsi32_si128(pk->lo_sh[nv - 1])), three);
+    for (int i = 0; i < nv; i++) {
+        const __m128i cur = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(row + pk->lo_off[i])),
+                                                        _mm_cvtsi32_si128(pk->lo_sh[i])), three);
         __m128i x = cur;
         x = _mm_or_si128(x, _mm_slli_epi16(_mm_alignr_epi8(cur, prev, 15), 2));
         x = _mm_or_si128(x, _mm_slli_epi16(_mm_alignr_epi8(cur, prev, 14), 4));
         x = _mm_or_si128(x, _mm_slli_epi16(_mm_alignr_epi8(cur, prev, 13), 6));
         _mm_storeu_si128((__m128i *)(st + 16 * i), x);
         prev = cur;
+    }
+}
+
+/* Levels of a trellis row from its 16-bit states st[0..D) (the low bits `mask` of each), 8 scalar
+ * loads per vector, times s[channel / gs] (s NULL: raw). */
+static inline void trellis_levels16(const uint16_t *st, int D, uint64_t mask, const float *lut, const float *s,
+                                    int gs, float *out) {
+    for (int c = 0; c < D; c += 8) {
+        uint64_t u, w;
+        memcpy(&u, st + c, 8);
+        memcpy(&w, st + c + 4, 8);
+        __m256 x = _mm256_setr_ps(lut[u & mask], lut[(u >> 16) & mask], lut[(u >> 32) & mask], lut[(u >> 48) & mask],
+                                  lut[w & mask], lut[(w >> 16) & mask], lut[(w >> 32) & mask], lut[(w >> 48) & mask]);
+        if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
+        _mm256_storeu_ps(out + c, x);
+    }
+}
+
+/* The 9-bit states of a 3-bit, 3-code trellis row straight from its packed bytes (D % 64 == 0; see
+ * tcq2_states_packed): each vector of 16 codes is its low bits (one of the 4 two-bit planes of D / 4
+ * bytes) or'ed with its high bits (the 8 one-bit planes of D / 8 bytes: one plane per 16 channels,
+ * or two of 8 when D is 64), then the codes 1 and 2 channels back by byte alignment with the vector
+ * before, widened to 16-bit lanes for the shifts. */
+static void tcq3_states_packed(const uint8_t *row, const packed_layout *pk, uint16_t *st) {
+    const int nv = pk->nv;
+    const __m128i three = _mm_set1_epi8(3), one = _mm_set1_epi8(1);
+    __m128i cv[32]; /* the codes of channels 16 i .. 16 i + 15, one per byte */
+    for (int i = 0; i < nv; i++) {
+        const __m128i lo = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(row + pk->lo_off[i])),
+                                                       _mm_cvtsi32_si128(pk->lo_sh[i])), three);
+        __m128i hi;
+        if (!pk->hi_split) {
+            hi = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(row + pk->hi_off[i])),
+                                             _mm_cvtsi32_si128(pk->hi_sh[i])), one);
+        } else { /* channels 0 .. 7 of the vector in plane hi_sh, 8 .. 15 in the next, both the same 8 bytes */
+            const __m128i x = _mm_loadl_epi64((const __m128i *)(row + pk->hi_off[i]));
+            hi = _mm_unpacklo_epi64(_mm_and_si128(_mm_srl_epi16(x, _mm_cvtsi32_si128(pk->hi_sh[i])), one),
+                                    _mm_and_si128(_mm_srl_epi16(x, _mm_cvtsi32_si128(pk->hi_sh[i] + 1)), one));
+        }
+        cv[i] = _mm_or_si128(lo, _mm_slli_epi16(hi, 2)); /* (hi <= 1 shifted by 2: stays in its byte) */
+    }
+    for (int i = 0; i < nv; i++) {
+        const __m128i cur = cv[i], prev = cv[i ? i - 1 : nv - 1];
+        __m256i x = _mm256_cvtepu8_epi16(cur);
+        x = _mm256_or_si256(x, _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_alignr_epi8(cur, prev, 15)), 3));
+        x = _mm256_or_si256(x, _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_alignr_epi8(cur, prev, 14)), 6));
+        _mm256_storeu_si256((__m256i *)(st + 16 * i), x);
     }
 }
 
@@ -733,15 +800,7 @@ static void trellis_row8(const uint8_t *p, int k, int m, int D, const float *lut
                                                     _mm_cvtsi32_si128(j * k)));
         _mm256_storeu_si256((__m256i *)(st + c), x);
     }
-    for (int c = 0; c < D; c += 8) {
-        uint64_t u, w;
-        memcpy(&u, st + c, 8);
-        memcpy(&w, st + c + 4, 8);
-        __m256 x = _mm256_setr_ps(lut[u & mask], lut[(u >> 16) & mask], lut[(u >> 32) & mask], lut[(u >> 48) & mask],
-                                  lut[w & mask], lut[(w >> 16) & mask], lut[(w >> 32) & mask], lut[(w >> 48) & mask]);
-        if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
-        _mm256_storeu_ps(out + c, x);
-    }
+    trellis_levels16(st, D, mask, lut, s, gs, out);
 }
 
 /* What load_block8 needs of an operand that does not change from block to block: where each chunk
@@ -754,6 +813,8 @@ typedef struct {
     __m256i mask;
     __m256 lut_lo, lut_hi;
     const uint64_t *pairs; /* trellis_pairs, or NULL */
+    int packed;            /* trellis states from the packed bytes: 1 tcq2, 2 tcq3 (D % 64 == 0), 0 no */
+    packed_layout pk;      /* where each vector of 16 codes lies (packed != 0) */
 } block8_plan;
 
 static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
@@ -769,6 +830,8 @@ static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
     pl->lut_hi = pl->n_lut > 8 ? _mm256_loadu_ps(o->lut + 8) : _mm256_setzero_ps();
     pl->gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
     pl->pairs = o->state_codes ? trellis_pairs(o) : NULL;
+    pl->packed = D % 64 ? 0 : (pl->pairs ? 1 : (o->bits == 3 && o->state_codes == 3 && o->lut ? 2 : 0));
+    if (pl->packed) plan_packed(o->bits, (int)D, &pl->pk);
 }
 
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 8 channels per step: bytes -> 8 int32 codes (one
@@ -788,7 +851,7 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
      * channel 0 (the state loads below then read bytes whose stores have completed: reading a
      * row's bytes right after writing them stalls on store forwarding) */
     uint8_t ib[8][16 + 512 + 16];
-    const int packed_states = pairs && D % 64 == 0; /* tcq2: states from the packed bytes (tcq2_states_packed) */
+    const int packed_states = pl->packed; /* states from the packed bytes: no unpacked copy */
     for (int64_t i = 0; o->state_codes && !packed_states && i < nt; i++) {
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
         const int m = o->state_codes;
@@ -811,10 +874,16 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
-        if (packed_states) {
+        if (packed_states == 1) {
             uint8_t st[512];
-            tcq2_states_packed(row, (int)D, st);
+            tcq2_states_packed(row, &pl->pk, st);
             trellis_pair_levels(st, (int)D, pairs, s, gs, dst);
+            continue;
+        }
+        if (packed_states == 2) {
+            uint16_t st[512];
+            tcq3_states_packed(row, &pl->pk, st);
+            trellis_levels16(st, (int)D, 511, o->lut, s, gs, dst);
             continue;
         }
         if (o->state_codes) {
