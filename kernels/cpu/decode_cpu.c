@@ -612,6 +612,14 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* softcap tanh(x / softcap) softcap of 8 scores (lane by lane, through memory). */
+static inline __m256 softcap8(__m256 x, float softcap) {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, x);
+    softcap_scores(tmp, 8, softcap);
+    return _mm256_loadu_ps(tmp);
+}
+
 /* 8 bytes -> 8 int32 lanes (zero-extended). */
 static inline __m256i bytes8(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -1003,12 +1011,7 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
                     x = _mm256_fmadd_ps(x, _mm256_loadu_ps(sc[0] + 8 * hh),
                                         _mm256_mul_ps(_mm256_loadu_ps(sc[1] + 8 * hh), _mm256_set1_ps(qsum[g])));
                 x = _mm256_mul_ps(x, _mm256_set1_ps(scaling));
-                if (softcap > 0.0f) {
-                    float tmp[8];
-                    _mm256_storeu_ps(tmp, x);
-                    softcap_scores(tmp, 8, softcap);
-                    x = _mm256_loadu_ps(tmp);
-                }
+                if (softcap > 0.0f) x = softcap8(x, softcap);
                 s[hh] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, attend[hh]); /* masked: weight exactly 0 */
             }
             if (halves == 1) s[1] = _mm256_set1_ps(-INFINITY);
