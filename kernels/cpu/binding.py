@@ -156,6 +156,17 @@ def _threads(work: int) -> int:
     return max(1, torch.get_num_threads()) if work >= THREAD_MIN_WORK else 1
 
 
+def _search_threads(rows: int) -> int:
+    """Threads for the trellis search of ``rows`` head vectors: one costs a long decode's worth per
+    row, so threads as soon as there are rows to share."""
+    return min(max(1, torch.get_num_threads()), max(rows, 1))
+
+
+def _write_threads(fmt: str, rows: int) -> int:
+    """Threads for quantizing ``rows`` head vectors into ``fmt`` (trellis: :func:`_search_threads`)."""
+    return _search_threads(rows) if fmt in TRELLIS_FORMATS else _threads(rows * 16)
+
+
 def _fp_operand(x: torch.Tensor, keep: list) -> _Operand:
     """Full-precision rows ``x [B, Hkv, n, D]`` as a 32-bit operand (byte strides, no scales)."""
     x = x.float()
@@ -368,7 +379,7 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
     b, h, n, d = xf.shape
     w = _cached_writer(codes, scale, zero, fmt)
     rc = _library().kvq_write(
-        ctypes.byref(w), xf.data_ptr(), b, h, n, d, *_strides(xf), index, _threads(b * h * n * 16)
+        ctypes.byref(w), xf.data_ptr(), b, h, n, d, *_strides(xf), index, _write_threads(fmt, b * h * n)
     )
     if rc < 0:
         raise MemoryError("native CPU quantize kernel: out of memory")
@@ -389,11 +400,17 @@ def transcode_native(src, i0: int, i1: int, dst, index: int, *, via: torch.dtype
     op = _cached_operand(codes, scale, zero, fmt, group, axis, keep)
     w = _cached_writer(*dst)
     b, h, n = codes.shape[0], codes.shape[1], i1 - i0
-    rows = b * h * n
-    # a trellis search costs a long decode's worth per row: threads as soon as there are rows to share
-    threads = min(max(1, torch.get_num_threads()), rows) if dst[3] in TRELLIS_FORMATS else _threads(rows * 16)
     rc = _library().kvq_transcode(
-        ctypes.byref(op), b, h, i0, n, head_dim, ctypes.byref(w), index, _VIA[via], threads
+        ctypes.byref(op),
+        b,
+        h,
+        i0,
+        n,
+        head_dim,
+        ctypes.byref(w),
+        index,
+        _VIA[via],
+        _write_threads(dst[3], b * h * n),
     )
     if rc < 0:
         raise MemoryError("native CPU transcode: out of memory")
@@ -421,7 +438,7 @@ def trellis_encode_native(
         state_bits,
         two_pass_from,
         codes.data_ptr(),
-        _threads(n * 16),
+        _search_threads(n),
     )
     if rc < 0:
         raise MemoryError("native CPU trellis encoder: out of memory")
