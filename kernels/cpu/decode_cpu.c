@@ -859,8 +859,7 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
      * channel 0 (the state loads below then read bytes whose stores have completed: reading a
      * row's bytes right after writing them stalls on store forwarding) */
     uint8_t ib[8][16 + 512 + 16];
-    const int packed_states = pl->packed; /* states from the packed bytes: no unpacked copy */
-    for (int64_t i = 0; o->state_codes && !packed_states && i < nt; i++) {
+    for (int64_t i = 0; o->state_codes && !pl->packed && i < nt; i++) {
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
         const int m = o->state_codes;
         unpack_row_sse(row, o->bits, (int)D, ib[i] + 16);
@@ -882,13 +881,13 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
-        if (packed_states == 1) {
+        if (pl->packed == 1) { /* states from the packed bytes: no unpacked copy */
             uint8_t st[512];
             tcq2_states_packed(row, &pl->pk, st);
             trellis_pair_levels(st, (int)D, pairs, s, gs, dst);
             continue;
         }
-        if (packed_states == 2) {
+        if (pl->packed == 2) {
             uint16_t st[512];
             tcq3_states_packed(row, &pl->pk, st);
             trellis_levels16(st, (int)D, 511, o->lut, s, gs, dst);
