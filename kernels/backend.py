@@ -226,6 +226,18 @@ class Backend:
     def supports_transcode(self, call: TranscodeCall) -> str | None:
         return f"{self.name} has no transcode"
 
+    def plan_decode(self, *tensors, **kw):
+        """Optional: ``decode_attention`` over fixed buffers described once (``ops.plan_decode_attention``
+        asks only a backend that answers such calls in one piece): a callable
+        ``run(q, start, end, *, fp_k, fp_v, fp_valid, extra_bounds)``, or None (no plan: each call
+        goes through ``ops.decode_attention``)."""
+        return None
+
+    def plan_quantize(self, codes, scale, zero, **kw):
+        """Optional: ``quantize_append`` into fixed buffers described once (``ops.plan_quantize_append``):
+        a callable ``run(x, index) -> bool`` as ``quantize_append`` answers, or None (no plan)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<kvquant kernels backend {self.name!r}>"
 

@@ -23,8 +23,9 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields as record_fields
+from dataclasses import replace
 
 import torch
 
@@ -161,14 +162,49 @@ def quantize_append(
     reference.quantize_append(x, codes, scale, zero, index, **kw)
 
 
+def plan_quantize_append(
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    zero: torch.Tensor | None,
+    *,
+    fmt: str,
+    group_size: int | None,
+    head_dim: int,
+    axis: str = "token",
+    static_scale: bool = False,
+    backend: str | None = None,
+) -> Callable[[torch.Tensor, int], None]:
+    """:func:`quantize_append` into buffers that stay put, planned once for many calls (a store's
+    appends): returns ``run(x, index)``, the effect of :func:`quantize_append` of ``x [B, H, n,
+    head_dim]`` at ``index`` (same codes, same errors). The backend is picked here; one that plans
+    (``Backend.plan_quantize``: the C kernels, which describe the buffers once) writes each call
+    directly and hands values it refuses to :func:`quantize_append`, which raises the spec's error.
+
+    Example:
+        >>> run = plan_quantize_append(codes, scale, None, fmt="int8", group_size=64, head_dim=64)
+        >>> run(torch.randn(1, 2, 1, 64), 3)
+    """
+    g = head_dim if group_size is None else group_size
+    sdt = None if scale is None else scale.dtype
+    call = (fmt, head_dim, codes.device.type, g, axis, sdt, bool(static_scale))
+    kw = dict(fmt=fmt, group_size=group_size, axis=axis, static_scale=bool(static_scale))
+    b = next(_pick("quantize_append", call, backend), None)
+    write = None if b is None else b.plan_quantize(codes, scale, zero, **kw)
+
+    def run(x: torch.Tensor, index: int) -> None:
+        if write is None or x.dim() != 4 or x.shape[-1] != head_dim or not write(x, index):
+            quantize_append(x, codes, scale, zero, index, **kw, backend=backend)  # (refused: the error)
+
+    return run
+
+
 # --------------------------------------------------------------------------------------------- decode
 
 
-def _reads_segments(b: Backend, extra: tuple[SegmentRead, ...], q: torch.Tensor, forced: bool) -> bool:
+def _reads_segments(b: Backend, extra: tuple[SegmentRead, ...], d: int, device: str, forced: bool) -> bool:
     """Whether backend ``b`` reads every segment of ``extra`` in the same call as the main one."""
     if not b.takes_segments:
         return False
-    d, device = q.shape[-1], q.device.type
     if forced:
         return all(
             _unsupported(b, "decode_attention", DecodeCall(*s.call_fields(d, device)), True) is None
@@ -252,7 +288,7 @@ def decode_attention(
         softcap=softcap,
     )
     tensors = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    one_call = not extra or _reads_segments(b, extra, q, forced=backend is not None)  # b reads every segment
+    one_call = not extra or _reads_segments(b, extra, q.shape[-1], q.device.type, forced=backend is not None)
     if rotation:
         _check_rotation(q.shape[-1])
     if rotation and not (b.takes_rotation and one_call):
@@ -278,6 +314,89 @@ def decode_attention(
         return out, lse
     f_out, f_lse = dense_decode_attention_ref(q, fp_k, fp_v, fp_valid, scaling, softcap)
     return merge_attention([out, f_out], [lse, f_lse])
+
+
+def plan_decode_attention(
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    *,
+    k_fmt: str,
+    v_fmt: str,
+    k_group: int | None,
+    v_group: int | None,
+    k_axis: str,
+    head_dim: int,
+    scaling: float,
+    softcap: float | None = None,
+    fp_tokens: bool = False,
+    extra: tuple[SegmentRead, ...] = (),
+    rotation: bool = False,
+    backend: str | None = None,
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`decode_attention` over buffers that stay put, planned once for many calls (a cache's
+    decode steps): returns ``run(q, start, end, *, fp_k=None, fp_v=None, fp_valid=None,
+    extra_bounds=())``, the result of :func:`decode_attention` with these arguments, where
+    ``extra_bounds`` gives each ``extra`` segment's ``(start, end)`` for the call (those in
+    ``extra`` are ignored) and ``fp_tokens`` says whether calls pass full-precision tokens.
+
+    The backend is picked here, as :func:`decode_attention` would pick it; one that plans
+    (``Backend.plan_decode``: the C kernels, which describe the buffers once) runs each call
+    directly, otherwise each call goes through :func:`decode_attention`.
+
+    Example:
+        >>> run = plan_decode_attention(*k_parts, *v_parts, k_fmt="int4", v_fmt="int4", k_group=64,
+        ...     v_group=64, k_axis="token", head_dim=64, scaling=0.125)
+        >>> out, lse = run(q, start, end)                       # q [B, Hq, D]; start [B] int64
+    """
+    if rotation:
+        _check_rotation(head_dim)
+    tensors = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    kw = dict(k_fmt=k_fmt, v_fmt=v_fmt, k_group=k_group, v_group=v_group, k_axis=k_axis)
+    device = k_codes.device.type
+    call = (
+        k_fmt,
+        v_fmt,
+        head_dim,
+        device,
+        k_axis,
+        k_group,
+        v_group,
+        None if k_scale is None else k_scale.dtype,
+        None if v_scale is None else v_scale.dtype,
+        fp_tokens,
+    )  # the fields of a DecodeCall
+    b = next(_pick("decode_attention", call, backend), None)
+    run = None
+    if (
+        b is not None
+        and (not extra or _reads_segments(b, extra, head_dim, device, forced=backend is not None))
+        and (b.takes_rotation or not rotation)
+        and (b.takes_fp_tokens or not fp_tokens)
+    ):  # b answers every call in one piece: it may plan it
+        run = b.plan_decode(
+            *tensors,
+            **kw,
+            head_dim=head_dim,
+            scaling=scaling,
+            softcap=softcap,
+            extra=extra,
+            rotation=rotation,
+        )
+    if run is not None:
+        return run
+
+    def run(q, start, end, *, fp_k=None, fp_v=None, fp_valid=None, extra_bounds=()):
+        segments = tuple(replace(x, start=s, end=e) for x, (s, e) in zip(extra, extra_bounds, strict=True))
+        return decode_attention(
+            q, *tensors, **kw, start=start, end=end, scaling=scaling, softcap=softcap, fp_k=fp_k,
+            fp_v=fp_v, fp_valid=fp_valid, extra=segments, rotation=rotation, backend=backend,
+        )  # fmt: skip
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------- dequantize
@@ -510,6 +629,8 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "encode",
+    "plan_decode_attention",
+    "plan_quantize_append",
     "quantize_append",
     "SegmentRead",
     "raise_deferred",

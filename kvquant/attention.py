@@ -82,6 +82,46 @@ def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
     return out * torch.sigmoid(lse - sinks.float().view(shape))[..., None]
 
 
+def _decode_plan(view: KVView, head_dim: int, scaling: float, softcap: float | None, fp: bool):
+    """The decode plan of ``view``'s tiers (``ops.plan_decode_attention``), made when their buffers
+    (or the call's constants) changed since the layer's last step, else the one it ran then."""
+    operands = tuple(o for r in view.reads for o in (r.k, r.v))  # the same objects while buffers stay
+    key = (tuple(map(id, operands)), head_dim, scaling, softcap, fp, view.transform.rotated)
+    memo = view.plans
+    if memo.get("key") != key:
+        main, *more = [
+            ops.SegmentRead(
+                *r.k.tensors(),
+                *r.v.tensors(),
+                k_fmt=r.k.fmt,
+                v_fmt=r.v.fmt,
+                k_group=r.k.group,
+                v_group=r.v.group,
+                k_axis=r.k.axis,
+                start=r.start,
+                end=r.end,
+            )
+            for r in view.reads
+        ]
+        kw = main.call_kwargs()
+        del kw["start"], kw["end"]
+        run = ops.plan_decode_attention(
+            *main.tensors(),
+            **kw,
+            head_dim=head_dim,
+            scaling=scaling,
+            softcap=softcap,
+            fp_tokens=fp,
+            extra=tuple(more),
+            rotation=view.transform.rotated,
+        )
+        if not memo.get("stale", frozenset()).isdisjoint(key[0]):  # buffers the layer just left
+            return run  # (kept, it would hold them alive until the layer's next step)
+        memo.clear()
+        memo.update(key=key, operands=operands, run=run)  # (the operands held: their ids stay theirs)
+    return memo["run"]
+
+
 def _decode(
     view: KVView, query: torch.Tensor, scaling: float, softcap: float | None, sinks: torch.Tensor | None
 ) -> torch.Tensor:
@@ -102,31 +142,11 @@ def _decode(
     q_stored = t.fold_query(q, rotate=False)
     fp_k, fp_v = t.apply(fp_k, fp_v, rotate=False)
     # the main store, then the recent window: all in the same softmax (one C kernel call on CPU)
-    main, *more = [
-        ops.SegmentRead(
-            *r.k.tensors(),
-            *r.v.tensors(),
-            k_fmt=r.k.fmt,
-            v_fmt=r.v.fmt,
-            k_group=r.k.group,
-            v_group=r.v.group,
-            k_axis=r.k.axis,
-            start=r.start,
-            end=r.end,
-        )
-        for r in view.reads
-    ]
-    out, lse = ops.decode_attention(
-        q_stored,
-        *main.tensors(),
-        **main.call_kwargs(),
-        scaling=scaling,
-        softcap=softcap,
-        fp_k=fp_k,
-        fp_v=fp_v,
-        fp_valid=valid,
-        extra=tuple(more),
-        rotation=t.rotated,
+    reads = view.reads
+    run = _decode_plan(view, q.shape[-1], scaling, softcap, fp_k.shape[2] > 0)
+    bounds = tuple((r.start, r.end) for r in reads[1:])
+    out, lse = run(
+        q_stored, reads[0].start, reads[0].end, fp_k=fp_k, fp_v=fp_v, fp_valid=valid, extra_bounds=bounds
     )  # [B, Hq, D]
     if sinks is not None:
         out = _with_sinks(out, t.shift_lse(lse, q, scaling), sinks)  # lse of the model's own scores

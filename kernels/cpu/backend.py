@@ -22,6 +22,8 @@ from kvquant.kernels.cpu.binding import (
     MAX_HEAD_DIM,
     QUANTIZE_FORMATS,
     TRELLIS_FORMATS,
+    NativeDecode,
+    NativeWrite,
     decode_attention_native,
     dequantize_native,
     quantize_into,
@@ -96,8 +98,14 @@ class CpuBackend(Backend):
     def decode_attention(self, *tensors, **kw):
         return decode_attention_native(*tensors, **kw)
 
+    def plan_decode(self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, **kw) -> NativeDecode:
+        return NativeDecode((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), **kw)
+
     def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
         return quantize_into(x, codes, scale, zero, index, fmt)
+
+    def plan_quantize(self, codes, scale, zero, *, fmt, group_size, axis, static_scale) -> NativeWrite:
+        return NativeWrite(codes, scale, zero, fmt)
 
     def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
         return search(y, format_spec(fmt).bits)

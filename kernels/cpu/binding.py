@@ -167,15 +167,133 @@ def _write_threads(fmt: str, rows: int) -> int:
     return _search_threads(rows) if fmt in TRELLIS_FORMATS else _threads(rows * 16)
 
 
-def _fp_operand(x: torch.Tensor, keep: list) -> _Operand:
-    """Full-precision rows ``x [B, Hkv, n, D]`` as a 32-bit operand (byte strides, no scales)."""
+class NativeDecode:
+    """``kvq_decode`` over fixed operands: the store's buffers (and the ``extra`` segments') described
+    once, so that a cache reading the same buffers step after step pays only for what changes (the
+    query, the ranges, the full-precision tokens). Arguments as :func:`decode_attention_native`
+    takes them, less the per-call ones; ``head_dim``: ``D``.
+
+    Example:
+        >>> run = NativeDecode(k_parts, v_parts, k_fmt="int4", v_fmt="int4", k_group=64, v_group=64,
+        ...     k_axis="token", head_dim=64, scaling=0.125)
+        >>> out, lse = run(q, start, end)                       # q [B, Hq, D]; start [B] int64
+    """
+
+    def __init__(
+        self,
+        k_parts: tuple,
+        v_parts: tuple,
+        *,
+        k_fmt: str,
+        v_fmt: str,
+        k_group: int,
+        v_group: int,
+        k_axis: str,
+        head_dim: int,
+        scaling: float,
+        softcap: float | None = None,
+        extra: tuple = (),
+        rotation: bool = False,
+    ):
+        lib = _library()
+        if lib is None:
+            raise RuntimeError(f"native CPU decode kernel unavailable: {native_error()}")
+        for kf, vf in [(k_fmt, v_fmt)] + [(x.k_fmt, x.v_fmt) for x in extra]:
+            if not native_formats_ok(kf, vf, head_dim):
+                raise ValueError(
+                    f"k_fmt / v_fmt / head_dim: the native kernel reads quantized formats at head_dim <= "
+                    f"{MAX_HEAD_DIM}, got {kf!r} / {vf!r} at {head_dim}"
+                )
+        self._fn, self._d, self._hkv = lib.kvq_decode, head_dim, k_parts[0].shape[1]
+        self._keep: list = []  # the described buffers (and any contiguous copy) stay alive with the plan
+        self._k = _cached_operand(*k_parts, k_fmt, k_group, k_axis, self._keep)
+        self._v = _cached_operand(*v_parts, v_fmt, v_group, "token", self._keep)
+        self._n_x = n_x = len(extra)
+        self._xk = self._xv = self._ends = None
+        if extra:  # more segments (kernels.backend.SegmentRead), read in the same softmax
+            ks = [_cached_operand(*x.tensors()[:3], x.k_fmt, x.k_group, x.k_axis, self._keep) for x in extra]
+            vs = [_cached_operand(*x.tensors()[3:], x.v_fmt, x.v_group, "token", self._keep) for x in extra]
+            self._xk, self._xv = (_Operand * n_x)(*ks), (_Operand * n_x)(*vs)
+            self._ends = (ctypes.c_int64 * n_x)()
+        self._scaling, self._softcap = float(scaling), 0.0 if softcap is None else float(softcap)
+        self._rotation = 1.0 / math.sqrt(rotation_block(head_dim)) if rotation else 0.0
+        self._fp = (_Operand(bits=32, n_groups=1, group=1), _Operand(bits=32, n_groups=1, group=1))
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        start: torch.Tensor,
+        end: int,
+        *,
+        fp_k: torch.Tensor | None = None,
+        fp_v: torch.Tensor | None = None,
+        fp_valid: torch.Tensor | None = None,
+        extra_bounds: tuple = (),
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        threads: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, Hq, D], lse [B, Hq])`` fp32; ``extra_bounds``: ``(start [B], end)`` of each
+        ``extra`` segment, in order."""
+        b, hq, d = q.shape
+        qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()  # [B, Hkv, G, D]
+        if out is None:
+            out = torch.empty(b, hq, d, dtype=torch.float32)
+        else:
+            _check_out("out", out, (b, hq, d))
+        if lse is None:
+            lse = torch.empty(b, hq, dtype=torch.float32)
+        else:
+            _check_out("lse", lse, (b, hq))
+        if b == 0:
+            return out, lse
+        if start.dtype != torch.int64 or not start.is_contiguous():
+            start = start.to(torch.int64).contiguous()  # the kernel skips each row's tokens before start[b]
+        n_fp, fk, fv, valid = 0, None, None, None
+        if fp_k is not None and fp_k.shape[2] > 0:
+            n_fp = fp_k.shape[2]
+            fp_k, fp_v = _fp_rows(fp_k, self._fp[0]), _fp_rows(fp_v, self._fp[1])  # (kept alive here)
+            fk, fv = ctypes.byref(self._fp[0]), ctypes.byref(self._fp[1])
+            if fp_valid is not None:
+                valid = fp_valid.to(torch.uint8).contiguous()
+        xstart = xend = starts = None
+        if self._n_x:
+            s0 = extra_bounds[0][0]
+            if self._n_x == 1 and s0.dtype == torch.int64 and s0.is_contiguous() and s0.numel() == b:
+                starts = s0  # (the usual case: one recent window, its starts as the layer keeps them)
+            else:
+                starts = torch.cat([s.to(torch.int64).reshape(b) for s, _ in extra_bounds])  # [n_x * B]
+            for i, (_, e) in enumerate(extra_bounds):
+                self._ends[i] = e
+            xstart, xend = starts.data_ptr(), ctypes.addressof(self._ends)
+        rc = self._fn(
+            qf.data_ptr(), b, self._hkv, hq // self._hkv, d, ctypes.byref(self._k), ctypes.byref(self._v),
+            start.data_ptr(), end, self._scaling, self._softcap, out.data_ptr(), lse.data_ptr(),
+            _threads(b * self._hkv * end) if threads is None else threads,
+            fk, fv, None if valid is None else valid.data_ptr(), n_fp, self._xk, self._xv, xstart, xend,
+            self._n_x, self._rotation,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("native CPU decode kernel: out of memory")
+        return out, lse
+
+
+def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous float32 tensor of shape {shape}, got {tuple(t.shape)} {t.dtype}"
+        )
+
+
+def _fp_rows(x: torch.Tensor, op: _Operand) -> torch.Tensor:
+    """Point ``op`` at full-precision rows ``x [B, Hkv, n, D]`` as 32-bit codes (byte strides, no
+    scales); returns the fp32 tensor it points into (keep it alive for the call)."""
     x = x.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    keep.append(x)
-    op = _Operand(codes=x.data_ptr(), bits=32, n_groups=1, group=1)
+    op.codes = x.data_ptr()
     op.code_sb, op.code_sh, op.code_st = (4 * s for s in _strides(x))
-    return op
+    return x
 
 
 def decode_attention_native(
@@ -205,7 +323,8 @@ def decode_attention_native(
     extra: tuple = (),
     rotation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kvquant.kernels.chunked.decode_attention_torch` in C (CPU tensors; see there for shapes).
+    """:func:`kvquant.kernels.chunked.decode_attention_torch` in C (CPU tensors; see there for shapes):
+    one :class:`NativeDecode` call.
 
     ``fp_k / fp_v [B, Hkv, n, D]`` with ``fp_valid [B, n]`` (bool; None: all valid): full-precision
     tokens (sinks, residual, the new token) attended in the same softmax where valid, so the result is the whole
@@ -222,66 +341,33 @@ def decode_attention_native(
         ...     k_group=64, v_group=64, k_axis="token", start=torch.zeros(1, dtype=torch.long),
         ...     end=k_parts[0].shape[2], scaling=0.125)
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"native CPU decode kernel unavailable: {native_error()}")
-    if not native_formats_ok(k_fmt, v_fmt, q.shape[-1]):
-        raise ValueError(
-            f"k_fmt / v_fmt / head_dim: the native kernel reads quantized formats at head_dim <= "
-            f"{MAX_HEAD_DIM}, got {k_fmt!r} / {v_fmt!r} at {q.shape[-1]}"
-        )
-    b, hq, d = q.shape
-    hkv = k_codes.shape[1]
-    g = hq // hkv
-    qf = q.float().contiguous()  # [B, Hq, D] = [B, Hkv, G, D]
-    out = torch.empty(b, hq, d, dtype=torch.float32) if out is None else out
-    lse = torch.empty(b, hq, dtype=torch.float32) if lse is None else lse
-    for name, t, shape in (("out", out, (b, hq, d)), ("lse", lse, (b, hq))):
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(
-                f"{name}: expected a contiguous float32 tensor of shape {shape}, got {tuple(t.shape)} {t.dtype}"
-            )
-    if b == 0:
-        return out, lse
-    if start.dtype != torch.int64 or not start.is_contiguous():
-        start = start.to(torch.int64).contiguous()
-    keep: list = []  # the kernel skips each row's tokens before start[b] itself
-    k_op = _cached_operand(k_codes, k_scale, k_zero, k_fmt, k_group, k_axis, keep)
-    v_op = _cached_operand(v_codes, v_scale, v_zero, v_fmt, v_group, "token", keep)
-    n_fp, fk, fv, valid = 0, None, None, None
-    if fp_k is not None and fp_k.shape[2] > 0:
-        n_fp = fp_k.shape[2]
-        fk, fv = ctypes.byref(_fp_operand(fp_k, keep)), ctypes.byref(_fp_operand(fp_v, keep))
-        if fp_valid is not None:
-            valid = fp_valid.to(torch.uint8).contiguous()
-            keep.append(valid)
-    n_x, xk, xv, xstart, xend = len(extra), None, None, None, None
-    if extra:  # more segments (kernels.backend.SegmentRead), read in the same softmax
-        ks = [
-            _cached_operand(s.k_codes, s.k_scale, s.k_zero, s.k_fmt, s.k_group, s.k_axis, keep) for s in extra
-        ]
-        vs = [
-            _cached_operand(s.v_codes, s.v_scale, s.v_zero, s.v_fmt, s.v_group, "token", keep) for s in extra
-        ]
-        xk, xv = (_Operand * n_x)(*ks), (_Operand * n_x)(*vs)
-        s0 = extra[0].start
-        if n_x == 1 and s0.dtype == torch.int64 and s0.is_contiguous() and s0.numel() == b:
-            starts = s0  # (the usual case: one recent window, its starts as the layer keeps them)
-        else:
-            starts = torch.cat([s.start.to(torch.int64).reshape(b) for s in extra])  # [n_x * B]
-        ends = (ctypes.c_int64 * n_x)(*(s.end for s in extra))
-        keep += [starts, ends]
-        xstart, xend = starts.data_ptr(), ctypes.addressof(ends)
-    rc = lib.kvq_decode(
-        qf.data_ptr(), b, hkv, g, d, ctypes.byref(k_op), ctypes.byref(v_op), start.data_ptr(),
-        end, scaling, 0.0 if softcap is None else float(softcap), out.data_ptr(), lse.data_ptr(),
-        _threads(b * hkv * end) if threads is None else threads,
-        fk, fv, None if valid is None else valid.data_ptr(), n_fp, xk, xv, xstart, xend, n_x,
-        1.0 / math.sqrt(rotation_block(d)) if rotation else 0.0,
-    )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("native CPU decode kernel: out of memory")
-    return out, lse
+    run = NativeDecode(
+        (k_codes, k_scale, k_zero),
+        (v_codes, v_scale, v_zero),
+        k_fmt=k_fmt,
+        v_fmt=v_fmt,
+        k_group=k_group,
+        v_group=v_group,
+        k_axis=k_axis,
+        head_dim=q.shape[-1],
+        scaling=scaling,
+        softcap=softcap,
+        extra=extra,
+        rotation=rotation,
+    )
+    bounds = tuple((s.start, s.end) for s in extra)
+    return run(
+        q,
+        start,
+        end,
+        fp_k=fp_k,
+        fp_v=fp_v,
+        fp_valid=fp_valid,
+        extra_bounds=bounds,
+        out=out,
+        lse=lse,
+        threads=threads,
+    )
 
 
 def native_quantizes(store, x: torch.Tensor) -> bool:
@@ -357,6 +443,43 @@ def _cached_writer(codes, scale, zero, fmt: str) -> _Writer:
     return w if w is not None else _remember(_WRITERS, key, _writer_of(codes, scale, zero, fmt))
 
 
+class NativeWrite:
+    """:func:`quantize_into` for fixed buffers: the writer described once (``codes``, ``scale``,
+    ``zero`` as :func:`quantize_into` takes them), each call passes ``x`` and ``index``: ``run(x,
+    index) -> bool`` (False: the spec refuses these values, nothing counted written).
+
+    Example:
+        >>> run = NativeWrite(codes, scale, None, "nuq4")
+        >>> run(torch.randn(1, 2, 1, 64), 5)
+        True
+    """
+
+    def __init__(self, codes, scale, zero, fmt: str):
+        self._w = _cached_writer(codes, scale, zero, fmt)
+        self._keep = (codes, scale, zero)  # the buffers written stay alive with the plan
+        self._fn, self._fmt = _library().kvq_write, fmt
+
+    def __call__(self, x: torch.Tensor, index: int) -> bool:
+        xf = x.float()
+        if xf.stride(-1) != 1:
+            xf = xf.contiguous()
+        b, h, n, d = xf.shape
+        rc = self._fn(
+            ctypes.byref(self._w),
+            xf.data_ptr(),
+            b,
+            h,
+            n,
+            d,
+            *_strides(xf),
+            index,
+            _write_threads(self._fmt, b * h * n),
+        )
+        if rc < 0:
+            raise MemoryError("native CPU quantize kernel: out of memory")
+        return rc == 0
+
+
 def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
     """``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` / ``zero
     [B, H, cap, D / G]`` at buffer index ``index`` (a format of ``QUANTIZE_FORMATS``, token axis,
@@ -373,17 +496,7 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
         >>> quantize_into(torch.randn(1, 2, 3, 64), codes, scale, None, 0, "nuq4")
         True
     """
-    xf = x.float()
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    b, h, n, d = xf.shape
-    w = _cached_writer(codes, scale, zero, fmt)
-    rc = _library().kvq_write(
-        ctypes.byref(w), xf.data_ptr(), b, h, n, d, *_strides(xf), index, _write_threads(fmt, b * h * n)
-    )
-    if rc < 0:
-        raise MemoryError("native CPU quantize kernel: out of memory")
-    return rc == 0
+    return NativeWrite(codes, scale, zero, fmt)(x, index)
 
 
 _VIA = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the dtypes a transcode rounds through
@@ -452,12 +565,18 @@ def rotate_native(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, d)  # a view where the layout allows (decode: always), else one copy
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < d):
         rows = rows.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32)
     n = rows.shape[0]
+    out = torch.empty_like(rows, memory_format=torch.contiguous_format)  # [n, D]
     _library().kvq_rotate(
-        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, 1.0 / math.sqrt(rotation_block(d)), _threads(n)
+        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, _hadamard_norm(d), _threads(n)
     )
-    return out
+    return out.view(x.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _hadamard_norm(d: int) -> float:
+    """The normalization of the Hadamard rotation of ``d`` channels: ``1 / sqrt(block)``."""
+    return 1.0 / math.sqrt(rotation_block(d))
 
 
 def dequantize_native(

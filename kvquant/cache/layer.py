@@ -96,6 +96,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.transform = KeyTransform(cfg.rotation, cfg.smoothing, cfg.torch_scale_dtype)
         self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
         self.pads_max = 0
+        self.plans: dict = {}  # the kvquant attention's decode plan for these tiers (see KVView.plans)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -268,9 +269,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             self._set_pads(position_ids, k.shape[2])
         if self.sinks is not None:
             self.sinks.capture(k, v, self.seq_len, self.pads, self.pads_max)
+        self.plans.pop("stale", None)  # (the last step's view, made before a move, is consumed)
         t0 = self.store_end
         out = self.tail.push(k, v)
         if out is not None:
+            before = self._operand_ids()
             if self.transform.needs_fit:
                 self.transform.fit(out[0], self._own_tokens(t0, out[0].shape[2]))
             out = self.transform.apply(*out)
@@ -278,8 +281,20 @@ class QuantizedKVLayer(CacheLayerMixin):
                 out = tier.push(out)
                 if out is None:
                     break
+            if self._operand_ids() != before:  # a tier moved to new buffers
+                self._drop_stale_plan(before)
         self.seq_len += k.shape[2]
         self._after_append()
+
+    def _operand_ids(self) -> list[int]:
+        return [id(o) for t in self.tiers for o in t.operands()]
+
+    def _drop_stale_plan(self, stale: list[int]) -> None:
+        """A tier moved: forget the decode plan (it holds the old buffers alive), and have the
+        attention not keep one for this call's view either, made before the move (``stale``: the
+        ids of its operands, alive while that view is: dropped at the next append)."""
+        self.plans.clear()
+        self.plans["stale"] = frozenset(stale)
 
     def _after_append(self) -> None:
         """Hook for subclasses (a sliding layer evicts here)."""
@@ -391,6 +406,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             sinks_back=functools.partial(
                 self._sinks_back, sinks=(self.sinks.k, self.sinks.v) if sinks else None
             ),
+            plans=self.plans,
         )
 
     # ------------------------------------------------------------------------------------ generate hooks
@@ -426,6 +442,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 tier.crop(aligned)
             self.tail.reset(aligned, k, v)
         self.seq_len = new_len
+        self.plans.clear()
         self._after_crop()
 
     def _after_crop(self) -> None:
@@ -434,6 +451,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
             return
+        self.plans.clear()
         for part in (*self.tiers, self.tail, self.transform):
             part.map_batch(fn)
         if self.sinks is not None:

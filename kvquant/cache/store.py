@@ -87,6 +87,8 @@ class TokenStore:
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
         self.head_dim = 0
+        self._operand: Operand | None = None  # operand() of the current buffers (None: to describe)
+        self._writer = None  # ops.plan_quantize_append into the current buffers (None: to plan)
 
     # ------------------------------------------------------------------------------------ layout
 
@@ -104,6 +106,7 @@ class TokenStore:
     ) -> None:
         """Allocate empty buffers for ``capacity`` tokens (rounded up to whole blocks)."""
         self.head_dim = head_dim
+        self._operand = self._writer = None
         capacity = -(-capacity // self.block) * self.block
         width = head_dim if self.spec.code_dtype is None else self.spec.code_width(head_dim)
         code_dtype = dtype if self.spec.code_dtype is None else self.spec.code_dtype
@@ -142,16 +145,14 @@ class TokenStore:
         self._reallocate(capacity or self.capacity, src, end)
 
     def operand(self) -> Operand:
-        scale = self.scale if self.scale is not None else self.static_scale
-        return Operand(
-            self.codes,
-            scale,
-            self.zero,
-            self.fmt,
-            self.group_size,
-            self.axis,
-            self.head_dim,
-        )
+        """The buffers as a kernel reads them: the same object until they change (a grow, a move, a
+        batch op), so that a decode plan made for it can be reused step after step."""
+        if self._operand is None:
+            scale = self.scale if self.scale is not None else self.static_scale
+            self._operand = Operand(
+                self.codes, scale, self.zero, self.fmt, self.group_size, self.axis, self.head_dim
+            )
+        return self._operand
 
     # ------------------------------------------------------------------------------------ data
 
@@ -182,17 +183,18 @@ class TokenStore:
         """Quantize ``x[B, H, n, D]`` into buffer indices ``[index, index + n)`` (block aligned)."""
         if self.codes.is_meta:  # byte prediction (kvquant.memory): shapes only, nothing to compute
             return
-        ops.quantize_append(
-            x,
-            self.codes,
-            self.scale if self.scale is not None else self.static_scale,
-            self.zero,
-            index,
-            fmt=self.fmt,
-            group_size=self.group_size,
-            axis=self.axis,
-            static_scale=self.static_scale is not None,
-        )
+        if self._writer is None:  # planned once per buffers: a decode step pays for the write alone
+            self._writer = ops.plan_quantize_append(
+                self.codes,
+                self.scale if self.scale is not None else self.static_scale,
+                self.zero,
+                fmt=self.fmt,
+                group_size=self.group_size,
+                head_dim=self.head_dim,
+                axis=self.axis,
+                static_scale=self.static_scale is not None,
+            )
+        self._writer(x, index)
 
     def read(self, i0: int, i1: int, out_dtype: torch.dtype) -> torch.Tensor:
         """Dequantize buffer indices ``[i0, i1)`` -> ``[B, H, i1 - i0, D]``."""
@@ -200,6 +202,7 @@ class TokenStore:
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension op (reorder / select / repeat) to every buffer."""
+        self._operand = self._writer = None
         self.codes = fn(self.codes)
         if self.scale is not None:
             self.scale = fn(self.scale)

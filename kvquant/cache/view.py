@@ -10,7 +10,7 @@ only add rows past a read's end or move into new buffers, and the dense block is
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,7 +52,8 @@ class KVView:
     copy: the sinks (``n_sinks`` = s of them, when the history still has quantized positions), the
     tail (t), then the call's own (q). ``dense_valid [B, s + t]`` (False: padding, or a sink
     outside the visible history; None: all count). ``sinks_back(x, p0)``: puts the sink values over their slots
-    in dequantized positions ``[p0, p0 + n)``.
+    in dequantized positions ``[p0, p0 + n)``. ``plans``: the layer's memo of the decode plan it last
+    ran (``ops.plan_decode_attention``: the tiers' buffers described once, reused while they stay).
     """
 
     new_k: torch.Tensor
@@ -67,6 +68,7 @@ class KVView:
     pads: torch.Tensor  # [B] int64
     transform: KeyTransform
     sinks_back: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    plans: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> torch.Size:

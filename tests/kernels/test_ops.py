@@ -421,3 +421,67 @@ def test_rotation_rotates_the_query_and_fp_tokens_in_and_the_output_back(backend
     w_out, w_lse = ops.decode_attention(rot(t48[0]), *t48[1:], **a48, **ref48)
     got = ops.decode_attention(*t48, **a48, fp_k=fk48, fp_v=fv48, rotation=True, backend=backend)
     _close(got, (rot(w_out), w_lse))
+
+
+@pytest.mark.parametrize("backend", [None, "cpu", "chunked", "reference"])
+@pytest.mark.parametrize("rotation", [False, True])
+def test_a_decode_plan_answers_as_the_op_call_after_call(backend, rotation):
+    """``plan_decode_attention`` (the buffers described once, the ranges, query and fp tokens per
+    call): every call equals ``decode_attention`` with the same arguments, also after the buffers'
+    contents and the ranges changed (what a cache does between decode steps)."""
+    if backend == "cpu" and not HAS_C:
+        pytest.skip("no C compiler")
+    tensors, args = _decode_case("tcq3", "nuq3", t=70, k_group=64, v_group=64, seed=11)
+    recent, _, r_args = _segment("nuq4", "int4", 21, seed=12)
+    fixed = {k: args[k] for k in ("k_fmt", "v_fmt", "k_group", "v_group", "k_axis", "scaling")}
+    run = ops.plan_decode_attention(
+        *tensors[1:],
+        **fixed,
+        head_dim=64,
+        fp_tokens=True,
+        extra=(recent,),
+        rotation=rotation,
+        backend=backend,
+    )
+    for step, end in enumerate((70, 50, 69)):
+        torch.manual_seed(step)
+        q, fk, fv = torch.randn(2, 6, 64), torch.randn(2, 2, 4 + step, 64), torch.randn(2, 2, 4 + step, 64)
+        valid = torch.rand(2, 4 + step) > 0.3
+        start, r_start, r_end = torch.tensor([step, 2 * step]), torch.tensor([1, step]), 21 - step
+        tensors[1].copy_(torch.roll(tensors[1], 1, dims=2))  # the store's codes change in place
+        fp = dict(fp_k=fk, fp_v=fv, fp_valid=valid)
+        got = run(q, start, end, **fp, extra_bounds=((r_start, r_end),))
+        seg = ops.SegmentRead(**{**recent.__dict__, "start": r_start, "end": r_end})
+        want = ops.decode_attention(
+            q, *tensors[1:], **{**args, "start": start, "end": end}, **fp, extra=(seg,), rotation=rotation,
+            backend=backend,
+        )  # fmt: skip
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        ref = dict(fp, extra=(seg,), rotation=rotation, backend="reference")
+        _close(got, ops.decode_attention(q, *tensors[1:], **{**args, "start": start, "end": end}, **ref))
+    assert not torch.isnan(got[0]).any()
+
+
+@pytest.mark.parametrize("backend", [None, "reference", "cpu"])
+@pytest.mark.parametrize("fmt", ["int4", "nuq4", "fp8_e4m3", "tcq2"])
+def test_a_write_plan_writes_the_op_codes_and_refuses_as_the_op(backend, fmt):
+    """``plan_quantize_append`` into poisoned buffers: the codes and scales ``quantize_append``
+    writes, call after call at moving indices; NaN input raises the spec's error."""
+    if backend == "cpu" and not HAS_C:
+        pytest.skip("no C compiler")
+    torch.manual_seed(1)
+    got = _buffers(fmt, 2, 3, 12, 64, 64, "token", torch.float16)
+    want = tuple(None if t is None else t.clone() for t in got)
+    run = ops.plan_quantize_append(*got, fmt=fmt, group_size=64, head_dim=64, backend=backend)
+    for index, n in ((0, 5), (5, 1), (6, 3)):
+        x = torch.randn(2, 3, n, 64) * (index + 1)
+        run(x, index)
+        ops.quantize_append(x, *want, index, fmt=fmt, group_size=64, backend=backend)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None) and (
+            g is None or torch.equal(_bits(g[:, :, :9]), _bits(w[:, :, :9]))
+        )
+    bad = torch.randn(2, 3, 1, 64)
+    bad[1, 2, 0, 7] = float("inf")
+    with pytest.raises(ValueError, match="input: key/value states contain NaN or Inf"):
+        run(bad, 9)

@@ -106,3 +106,32 @@ def test_decode_step_allocates_less_than_a_full_precision_history():
 
     assert largest_single(True) < history_bytes
     assert largest_single(False) >= history_bytes
+
+
+def test_decode_steps_reuse_one_plan_until_a_tier_moves():
+    """The decode plans its kernel call once per tier buffers: the same plan step after step, a new
+    one once the store moved to new buffers (it grew); the step that moved it keeps none, so that
+    nothing holds the old buffers past that step."""
+    import weakref
+
+    layer = QuantizedKVLayer(KVQuantConfig.resolve("int4"), initial_capacity=8)
+    layer.return_view = True
+    torch.manual_seed(0)
+    layer.update(torch.randn(1, 2, 30, 64), torch.randn(1, 2, 30, 64))
+    q = torch.randn(1, 4, 1, 64)
+    last_run, last_cap, grows = None, None, 0
+    for _ in range(60):
+        view, same = layer.update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64))
+        kvquant_attention_forward(None, q, view, view, None, scaling=0.125)
+        cap = view.reads[0].k.codes.shape[2]
+        if layer.main.k_store.capacity != cap:  # this step's append moved the store
+            assert "run" not in layer.plans
+            old_codes = weakref.ref(view.reads[0].k.codes)
+            del view, same
+            assert old_codes() is None
+            grows += 1
+            continue
+        run = layer.plans["run"]
+        assert (run is last_run) == (cap == last_cap)
+        last_run, last_cap = run, cap
+    assert grows >= 2
