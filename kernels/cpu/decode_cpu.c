@@ -625,6 +625,13 @@ static inline __m256i bytes8(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
+/* The levels of 8 codes 0..15 of a 16-entry codebook held in two registers: entry c & 7 of the half
+ * that bit 3 picks. */
+static inline __m256 levels16(__m256 lo, __m256 hi, __m256i c) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, c), _mm256_permutevar8x32_ps(hi, c),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+}
+
 /* unpack_row for 2- and 3-bit planar codes, 16 bytes of the low plane and 8 of the high plane per
  * step (16-bit shifts; the bits a shift brings in from the next byte are masked off), scalar tails. */
 static inline void unpack_row_sse(const uint8_t *restrict c, int bits, int D, uint8_t *restrict idx) {
@@ -902,6 +909,41 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
                 const __m256i ci = bytes8(row + j);
                 _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(_mm256_and_si256(ci, mask)));
                 _mm256_storeu_ps(dst + w + j, _mm256_cvtepi32_ps(_mm256_srli_epi32(ci, 4)));
+            }
+            continue;
+        }
+        if (raw && o->bits == 4 && n_lut > 8) { /* codebook of 16: both nibbles from one load */
+            for (int j = 0; j < w; j += 8) {
+                const __m256i ci = bytes8(row + j), hi = _mm256_srli_epi32(ci, 4);
+                _mm256_storeu_ps(dst + j, levels16(lut_lo, lut_hi, _mm256_and_si256(ci, mask)));
+                _mm256_storeu_ps(dst + w + j, levels16(lut_lo, lut_hi, hi));
+            }
+            continue;
+        }
+        if (raw && o->bits == 2 && !o->fp8) { /* the four 2-bit fields of each byte from one load */
+            const int w2 = (int)(D / 4);
+            for (int j = 0; j < w2; j += 8) {
+                const __m256i ci = bytes8(row + j);
+                const __m256i f[4] = {_mm256_and_si256(ci, mask), _mm256_and_si256(_mm256_srli_epi32(ci, 2), mask),
+                                      _mm256_and_si256(_mm256_srli_epi32(ci, 4), mask), _mm256_srli_epi32(ci, 6)};
+                for (int k = 0; k < 4; k++)
+                    _mm256_storeu_ps(dst + k * w2 + j, small_lut ? _mm256_permutevar8x32_ps(lut_lo, f[k]) : _mm256_cvtepi32_ps(f[k]));
+            }
+            continue;
+        }
+        if (raw && o->bits == 3 && !o->fp8) { /* low fields as above; each chunk's high bits from its plane */
+            const int w3 = (int)(D / 4), q = w3 / 8; /* chunk of channels j + k w3: 8 (j / 8 + k q) */
+            const __m256i one = _mm256_set1_epi32(1);
+            for (int j = 0; j < w3; j += 8) {
+                const __m256i ci = bytes8(row + j);
+                const __m256i f[4] = {_mm256_and_si256(ci, mask), _mm256_and_si256(_mm256_srli_epi32(ci, 2), mask),
+                                      _mm256_and_si256(_mm256_srli_epi32(ci, 4), mask), _mm256_srli_epi32(ci, 6)};
+                for (int k = 0; k < 4; k++) {
+                    const int c = j / 8 + k * q;
+                    const __m256i hi = _mm256_srl_epi32(bytes8(row + off1[c]), _mm_cvtsi32_si128(shift1[c]));
+                    const __m256i code = _mm256_or_si256(f[k], _mm256_slli_epi32(_mm256_and_si256(hi, one), 2));
+                    _mm256_storeu_ps(dst + 8 * c, small_lut ? _mm256_permutevar8x32_ps(lut_lo, code) : _mm256_cvtepi32_ps(code));
+                }
             }
             continue;
         }

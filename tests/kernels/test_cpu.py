@@ -77,9 +77,9 @@ def test_every_format_pair_matches_the_torch_twin(k_fmt, v_fmt):
         (20, 2, 37, 4, 20),  # not a multiple of 8: the portable C path on every CPU
     ],
 )
-@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "nuq4", "int3", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int8", "nuq4", "int3", "fp8_e4m3", "nuq2", "nuq3"])
 def test_odd_shapes_and_gqa_ratios(d, g, t, k_group, v_group, fmt):
-    if fmt in ("int2",) and d % 4 or fmt == "int3" and d % 8:
+    if fmt in ("int2", "nuq2") and d % 4 or fmt in ("int3", "nuq3") and d % 8:
         pytest.skip("int2 packs 4 channels per byte, int3 8")
     torch.manual_seed(1)
     b, h = 3, 2
