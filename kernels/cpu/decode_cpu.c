@@ -931,6 +931,29 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             }
             continue;
         }
+#if defined(__F16C__)
+        if (raw && o->fp8 && D % 16 == 0) { /* fp8 -> fp16 bits 16 at a time (exact), then F16C */
+            for (int64_t j = 0; j < D; j += 16) {
+                const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + j)));
+                __m256i h;
+                if (o->fp8 == 2) { /* e5m2 is the high byte of an fp16 */
+                    h = _mm256_slli_epi16(w16, 8);
+                } else { /* e4m3fn: |x| bits at fp16's place are x / 2^8; 0x7f is NaN (an fp16 NaN here) */
+                    const __m256i mag = _mm256_and_si256(w16, _mm256_set1_epi16(0x7f));
+                    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_xor_si256(w16, mag), 8), _mm256_slli_epi16(mag, 7));
+                    h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)));
+                }
+                __m256 x0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), x1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+                if (o->fp8 == 1) {
+                    x0 = _mm256_mul_ps(x0, _mm256_set1_ps(256.0f));
+                    x1 = _mm256_mul_ps(x1, _mm256_set1_ps(256.0f));
+                }
+                _mm256_storeu_ps(dst + j, x0);
+                _mm256_storeu_ps(dst + j + 8, x1);
+            }
+            continue;
+        }
+#endif
         if (raw && o->bits == 3 && !o->fp8) { /* low fields as above; each chunk's high bits from its plane */
             const int w3 = (int)(D / 4), q = w3 / 8; /* chunk of channels j + k w3: 8 (j / 8 + k q) */
             const __m256i one = _mm256_set1_epi32(1);
