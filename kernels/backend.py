@@ -238,6 +238,11 @@ class Backend:
         a callable ``run(x, index) -> bool`` as ``quantize_append`` answers, or None (no plan)."""
         return None
 
+    def plan_transcode(self, src, dst, **kw):
+        """Optional: ``transcode`` between fixed buffers described once (``ops.plan_transcode``):
+        a callable ``run(i0, i1, index) -> bool`` as ``transcode`` answers, or None (no plan)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<kvquant kernels backend {self.name!r}>"
 

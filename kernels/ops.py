@@ -491,6 +491,45 @@ def transcode(
     )  # fmt: skip
 
 
+def plan_transcode(
+    src: tuple, dst: tuple, *, via: torch.dtype, head_dim: int, backend: str | None = None
+) -> Callable[[int, int, int], None]:
+    """:func:`transcode` between buffers that stay put, planned once for many calls (the recent
+    window's oldest tokens into the main store, step after step): returns ``run(i0, i1, index)``,
+    the effect of :func:`transcode` of ``src``'s indices ``[i0, i1)`` into ``dst`` at ``index``. A
+    backend that plans (``Backend.plan_transcode``: the C kernels) moves each call directly and
+    hands what it refuses to :func:`transcode` (the destination spec's error), else each call goes
+    through :func:`transcode`.
+
+    Example:
+        >>> run = plan_transcode(src, dst, via=torch.float32, head_dim=64)   # as transcode takes them
+        >>> run(3, 4, 10)
+    """
+    codes, scale, _, fmt, _, axis = src
+    d_scale, d_fmt, d_axis, d_static = dst[1], dst[3], dst[5], dst[6]
+    move = None
+    if backend is None:
+        fields = (
+            fmt,
+            d_fmt,
+            head_dim,
+            codes.device.type,
+            axis,
+            None if scale is None else scale.dtype,
+            d_axis,
+            None if d_scale is None else d_scale.dtype,
+            bool(d_static),
+        )
+        b = next(_pick("transcode", fields, None), None)
+        move = None if b is None else b.plan_transcode(src, dst, via=via, head_dim=head_dim)
+
+    def run(i0: int, i1: int, index: int) -> None:
+        if move is None or not (0 <= i0 < i1 <= codes.shape[2]) or not move(i0, i1, index):
+            transcode(src, i0, i1, dst, index, via=via, head_dim=head_dim, backend=backend)
+
+    return run
+
+
 # --------------------------------------------------------------------------------------------- encode
 
 
@@ -631,6 +670,7 @@ __all__ = [
     "encode",
     "plan_decode_attention",
     "plan_quantize_append",
+    "plan_transcode",
     "quantize_append",
     "SegmentRead",
     "raise_deferred",

@@ -23,6 +23,7 @@ from kvquant.kernels.cpu.binding import (
     QUANTIZE_FORMATS,
     TRELLIS_FORMATS,
     NativeDecode,
+    NativeTranscode,
     NativeWrite,
     decode_attention_native,
     dequantize_native,
@@ -118,6 +119,9 @@ class CpuBackend(Backend):
 
     def transcode(self, src, i0, i1, dst, index, *, via, head_dim) -> bool:
         return transcode_native(src, i0, i1, dst[:4], index, via=via, head_dim=head_dim)
+
+    def plan_transcode(self, src, dst, *, via, head_dim) -> NativeTranscode:
+        return NativeTranscode(src, dst[:4], via=via, head_dim=head_dim)
 
 
 def search(y: torch.Tensor, bits: int) -> torch.Tensor:

@@ -502,32 +502,44 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
 _VIA = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the dtypes a transcode rounds through
 
 
+class NativeTranscode:
+    """:func:`transcode_native` between fixed buffers: source operand and destination writer
+    described once (``src`` / ``dst`` as :func:`transcode_native` takes them), each call passes the
+    range: ``run(i0, i1, index) -> bool`` (False: refused, nothing counted written).
+
+    Example:
+        >>> run = NativeTranscode(src, dst, via=torch.float32, head_dim=64)
+        >>> run(3, 4, 10)
+        True
+    """
+
+    def __init__(self, src: tuple, dst: tuple, *, via: torch.dtype, head_dim: int):
+        codes, scale, zero, fmt, group, axis = src
+        self._keep: list = []
+        self._op = _cached_operand(codes, scale, zero, fmt, group, axis, self._keep)
+        self._w = _cached_writer(*dst)
+        self._keep.append(dst[:3])  # (the buffers written stay alive with the plan)
+        self._fn, self._b, self._h = _library().kvq_transcode, codes.shape[0], codes.shape[1]
+        self._d, self._via, self._dst_fmt = head_dim, _VIA[via], dst[3]
+
+    def __call__(self, i0: int, i1: int, index: int) -> bool:
+        b, h, n = self._b, self._h, i1 - i0
+        rc = self._fn(
+            ctypes.byref(self._op), b, h, i0, n, self._d, ctypes.byref(self._w), index, self._via,
+            _write_threads(self._dst_fmt, b * h * n),
+        )  # fmt: skip
+        if rc < 0:
+            raise MemoryError("native CPU transcode: out of memory")
+        return rc == 0
+
+
 def transcode_native(src, i0: int, i1: int, dst, index: int, *, via: torch.dtype, head_dim: int) -> bool:
     """Buffer indices ``[i0, i1)`` of ``src`` (codes, scale, zero, fmt, group, axis as
     :func:`dequantize_native` takes them) dequantized, rounded through ``via`` and quantized into
     ``dst`` (codes, scale, zero, fmt as :func:`quantize_into` takes them) at ``index``: one C call,
     the results of :func:`dequantize_native` ``.to(via)`` then :func:`quantize_into`. False where
     the destination's spec refuses the values (nothing counted written)."""
-    codes, scale, zero, fmt, group, axis = src
-    keep: list = []
-    op = _cached_operand(codes, scale, zero, fmt, group, axis, keep)
-    w = _cached_writer(*dst)
-    b, h, n = codes.shape[0], codes.shape[1], i1 - i0
-    rc = _library().kvq_transcode(
-        ctypes.byref(op),
-        b,
-        h,
-        i0,
-        n,
-        head_dim,
-        ctypes.byref(w),
-        index,
-        _VIA[via],
-        _write_threads(dst[3], b * h * n),
-    )
-    if rc < 0:
-        raise MemoryError("native CPU transcode: out of memory")
-    return rc == 0
+    return NativeTranscode(src, dst, via=via, head_dim=head_dim)(i0, i1, index)
 
 
 def trellis_encode_native(

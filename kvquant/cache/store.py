@@ -89,6 +89,7 @@ class TokenStore:
         self.head_dim = 0
         self._operand: Operand | None = None  # operand() of the current buffers (None: to describe)
         self._writer = None  # ops.plan_quantize_append into the current buffers (None: to plan)
+        self._transcoder = None  # (source operand, via, ops.plan_transcode from it into these buffers)
 
     # ------------------------------------------------------------------------------------ layout
 
@@ -106,7 +107,7 @@ class TokenStore:
     ) -> None:
         """Allocate empty buffers for ``capacity`` tokens (rounded up to whole blocks)."""
         self.head_dim = head_dim
-        self._operand = self._writer = None
+        self._operand = self._writer = self._transcoder = None
         capacity = -(-capacity // self.block) * self.block
         width = head_dim if self.spec.code_dtype is None else self.spec.code_width(head_dim)
         code_dtype = dtype if self.spec.code_dtype is None else self.spec.code_dtype
@@ -161,23 +162,24 @@ class TokenStore:
         index + i1 - i0)``: as :meth:`write` of ``src.read(i0, i1, via)``, in one op."""
         if self.codes.is_meta:
             return
-        ops.transcode(
-            (src.codes, src.scale, src.zero, src.fmt, src.group, src.axis),
-            i0,
-            i1,
-            (
-                self.codes,
-                self.scale if self.scale is not None else self.static_scale,
-                self.zero,
-                self.fmt,
-                self.group_size,
-                self.axis,
-                self.static_scale is not None,
-            ),
-            index,
-            via=via,
-            head_dim=self.head_dim,
-        )
+        planned = self._transcoder
+        if planned is None or planned[0] is not src or planned[1] != via:  # (once per pair of buffers)
+            run = ops.plan_transcode(
+                (src.codes, src.scale, src.zero, src.fmt, src.group, src.axis),
+                (
+                    self.codes,
+                    self.scale if self.scale is not None else self.static_scale,
+                    self.zero,
+                    self.fmt,
+                    self.group_size,
+                    self.axis,
+                    self.static_scale is not None,
+                ),
+                via=via,
+                head_dim=self.head_dim,
+            )
+            planned = self._transcoder = (src, via, run)
+        planned[2](i0, i1, index)
 
     def write(self, index: int, x: torch.Tensor) -> None:
         """Quantize ``x[B, H, n, D]`` into buffer indices ``[index, index + n)`` (block aligned)."""
@@ -202,7 +204,7 @@ class TokenStore:
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension op (reorder / select / repeat) to every buffer."""
-        self._operand = self._writer = None
+        self._operand = self._writer = self._transcoder = None
         self.codes = fn(self.codes)
         if self.scale is not None:
             self.scale = fn(self.scale)

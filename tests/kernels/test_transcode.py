@@ -105,3 +105,27 @@ def test_bad_ranges_and_empty_moves():
         ops.transcode(src, 3, 9, tuple(dst), 0, via=torch.float32, head_dim=d)
     ops.transcode(src, 2, 2, tuple(dst), 0, via=torch.float32, head_dim=d)  # nothing moves
     assert torch.isnan(dst[1].float()).all()
+
+
+@needs_c
+@pytest.mark.parametrize("dst_fmt", ["tcq3", "nuq2", "int4"])
+def test_a_transcode_plan_moves_as_the_op_call_after_call(dst_fmt):
+    """``plan_transcode`` (the two stores described once, a range per call): the same bytes as
+    ``transcode``, one token per call as a decode step moves them; refused values raise the
+    destination spec's error as there."""
+    d = 64
+    src = _source("nuq4", 2, 3, 12, d, d, torch.float16, seed=4)
+    got = _target(dst_fmt, 2, 3, 16, d, d, torch.float16)
+    want = [t.clone() if isinstance(t, torch.Tensor) else t for t in got]
+    run = ops.plan_transcode(src, tuple(got), via=torch.float32, head_dim=d)
+    for i in range(12):
+        run(i, i + 1, 3 + i)
+        ops.transcode(src, i, i + 1, tuple(want), 3 + i, via=torch.float32, head_dim=d, backend="reference")
+    assert all(_same(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    run(5, 5, 0)  # an empty move writes nothing
+    assert all(_same(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    bad = list(src)
+    bad[1] = src[1].clone()
+    bad[1][1, 2, 7] = float("inf")  # a source scale the destination cannot hold
+    with pytest.raises(ValueError, match="NaN or Inf|scale"):
+        ops.plan_transcode(tuple(bad), tuple(got), via=torch.float32, head_dim=d)(7, 8, 0)
