@@ -150,7 +150,8 @@ def _decode(
     )  # [B, Hq, D]
     if sinks is not None:
         out = _with_sinks(out, t.shift_lse(lse, q, scaling), sinks)  # lse of the model's own scores
-    return out[:, None].to(query.dtype)  # [B, 1, Hq, D]
+    out = out.unsqueeze(1)  # [B, 1, Hq, D]
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 # --------------------------------------------------------------------------------------------- masks

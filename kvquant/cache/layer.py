@@ -264,7 +264,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail."""
-        k, v = k.detach(), v.detach()  # the store holds data, never an autograd graph
+        if k.requires_grad or v.requires_grad:  # the store holds data, never an autograd graph
+            k, v = k.detach(), v.detach()
         if self.seq_len == 0:
             self._set_pads(position_ids, k.shape[2])
         if self.sinks is not None:
