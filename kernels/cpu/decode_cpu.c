@@ -625,6 +625,21 @@ static inline __m256i bytes8(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
+/* Store chunk c (channels 8c .. 8c+7) of a row, times its scale plus its zero point: per channel
+ * (channel axis: s, z hold the row's D), or the chunk's group grp[c] (token axis); s NULL: as it is. */
+static inline void put8(float *dst, int c, __m256 x, const float *s, const float *z, int channel_axis, const int *grp) {
+    if (s) {
+        if (channel_axis) {
+            x = z ? _mm256_fmadd_ps(x, _mm256_loadu_ps(s + 8 * c), _mm256_loadu_ps(z + 8 * c))
+                  : _mm256_mul_ps(x, _mm256_loadu_ps(s + 8 * c));
+        } else {
+            const int n = grp[c];
+            x = z ? _mm256_fmadd_ps(x, _mm256_set1_ps(s[n]), _mm256_set1_ps(z[n])) : _mm256_mul_ps(x, _mm256_set1_ps(s[n]));
+        }
+    }
+    _mm256_storeu_ps(dst + 8 * c, x);
+}
+
 /* The levels of 8 codes 0..15 of a 16-entry codebook held in two registers: entry c & 7 of the half
  * that bit 3 picks. */
 static inline __m256 levels16(__m256 lo, __m256 hi, __m256i c) {
@@ -824,6 +839,7 @@ static void trellis_row8(const uint8_t *p, int k, int m, int D, const float *lut
  * per-block loop. */
 typedef struct {
     int off[64], shift[64], off1[64], shift1[64];
+    int grp[64]; /* token-axis scale group of each chunk */
     int nc, w, small_lut, n_lut, gs;
     __m256i mask;
     __m256 lut_lo, lut_hi;
@@ -844,6 +860,7 @@ static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
                                : _mm256_setzero_ps();
     pl->lut_hi = pl->n_lut > 8 ? _mm256_loadu_ps(o->lut + 8) : _mm256_setzero_ps();
     pl->gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
+    for (int c = 0; c < pl->nc; c++) pl->grp[c] = 8 * c / pl->gs;
     pl->pairs = o->state_codes ? trellis_pairs(o) : NULL;
     pl->packed = D % 64 ? 0 : (pl->pairs ? 1 : (o->bits == 3 && o->state_codes == 3 && o->lut ? 2 : 0));
     if (pl->packed) plan_packed(o->bits, (int)D, &pl->pk);
@@ -857,7 +874,7 @@ static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
 static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, int64_t h, int64_t t0, int64_t nt,
                         int64_t D, float *out, int raw) {
     const int nc = pl->nc, w = pl->w, small_lut = pl->small_lut, n_lut = pl->n_lut, gs = pl->gs;
-    const int *off = pl->off, *shift = pl->shift, *off1 = pl->off1, *shift1 = pl->shift1;
+    const int *off = pl->off, *shift = pl->shift, *off1 = pl->off1, *shift1 = pl->shift1, *grp = pl->grp;
     const __m256i mask = pl->mask;
     const __m256 lut_lo = pl->lut_lo, lut_hi = pl->lut_hi;
     const uint64_t *pairs = pl->pairs;
@@ -904,30 +921,33 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             trellis_row8(ib[i] + 16, o->bits, o->state_codes, (int)D, o->lut, pairs, s, gs, dst);
             continue;
         }
-        if (raw && o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
+        /* packed codes of 4 and 2 bits (3: their low fields): every field of 8 bytes from one load,
+         * each chunk of 8 channels scaled (unless raw) as it is stored (put8) */
+        if (o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
             for (int j = 0; j < w; j += 8) {
                 const __m256i ci = bytes8(row + j);
-                _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(_mm256_and_si256(ci, mask)));
-                _mm256_storeu_ps(dst + w + j, _mm256_cvtepi32_ps(_mm256_srli_epi32(ci, 4)));
+                put8(dst, j / 8, _mm256_cvtepi32_ps(_mm256_and_si256(ci, mask)), s, z, o->channel_axis, grp);
+                put8(dst, (w + j) / 8, _mm256_cvtepi32_ps(_mm256_srli_epi32(ci, 4)), s, z, o->channel_axis, grp);
             }
             continue;
         }
-        if (raw && o->bits == 4 && n_lut > 8) { /* codebook of 16: both nibbles from one load */
+        if (o->bits == 4 && n_lut > 8) { /* codebook of 16: both nibbles from one load */
             for (int j = 0; j < w; j += 8) {
                 const __m256i ci = bytes8(row + j), hi = _mm256_srli_epi32(ci, 4);
-                _mm256_storeu_ps(dst + j, levels16(lut_lo, lut_hi, _mm256_and_si256(ci, mask)));
-                _mm256_storeu_ps(dst + w + j, levels16(lut_lo, lut_hi, hi));
+                put8(dst, j / 8, levels16(lut_lo, lut_hi, _mm256_and_si256(ci, mask)), s, z, o->channel_axis, grp);
+                put8(dst, (w + j) / 8, levels16(lut_lo, lut_hi, hi), s, z, o->channel_axis, grp);
             }
             continue;
         }
-        if (raw && o->bits == 2 && !o->fp8) { /* the four 2-bit fields of each byte from one load */
+        if (o->bits == 2 && !o->fp8) { /* the four 2-bit fields of each byte from one load */
             const int w2 = (int)(D / 4);
             for (int j = 0; j < w2; j += 8) {
                 const __m256i ci = bytes8(row + j);
                 const __m256i f[4] = {_mm256_and_si256(ci, mask), _mm256_and_si256(_mm256_srli_epi32(ci, 2), mask),
                                       _mm256_and_si256(_mm256_srli_epi32(ci, 4), mask), _mm256_srli_epi32(ci, 6)};
                 for (int k = 0; k < 4; k++)
-                    _mm256_storeu_ps(dst + k * w2 + j, small_lut ? _mm256_permutevar8x32_ps(lut_lo, f[k]) : _mm256_cvtepi32_ps(f[k]));
+                    put8(dst, (k * w2 + j) / 8, small_lut ? _mm256_permutevar8x32_ps(lut_lo, f[k]) : _mm256_cvtepi32_ps(f[k]),
+                         s, z, o->channel_axis, grp);
             }
             continue;
         }
@@ -954,7 +974,7 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             continue;
         }
 #endif
-        if (raw && o->bits == 3 && !o->fp8) { /* low fields as above; each chunk's high bits from its plane */
+        if (o->bits == 3 && !o->fp8) { /* low fields as above; each chunk's high bits from its plane */
             const int w3 = (int)(D / 4), q = w3 / 8; /* chunk of channels j + k w3: 8 (j / 8 + k q) */
             const __m256i one = _mm256_set1_epi32(1);
             for (int j = 0; j < w3; j += 8) {
@@ -965,7 +985,8 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
                     const int c = j / 8 + k * q;
                     const __m256i hi = _mm256_srl_epi32(bytes8(row + off1[c]), _mm_cvtsi32_si128(shift1[c]));
                     const __m256i code = _mm256_or_si256(f[k], _mm256_slli_epi32(_mm256_and_si256(hi, one), 2));
-                    _mm256_storeu_ps(dst + 8 * c, small_lut ? _mm256_permutevar8x32_ps(lut_lo, code) : _mm256_cvtepi32_ps(code));
+                    put8(dst, c, small_lut ? _mm256_permutevar8x32_ps(lut_lo, code) : _mm256_cvtepi32_ps(code), s, z,
+                         o->channel_axis, grp);
                 }
             }
             continue;
@@ -1006,7 +1027,7 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
                     x = z ? _mm256_fmadd_ps(x, _mm256_loadu_ps(s + 8 * c), _mm256_loadu_ps(z + 8 * c))
                           : _mm256_mul_ps(x, _mm256_loadu_ps(s + 8 * c));
                 } else {
-                    const int n = 8 * c / gs;
+                    const int n = grp[c];
                     x = z ? _mm256_fmadd_ps(x, _mm256_set1_ps(s[n]), _mm256_set1_ps(z[n]))
                           : _mm256_mul_ps(x, _mm256_set1_ps(s[n]));
                 }
