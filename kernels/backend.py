@@ -18,7 +18,8 @@ Every backend implements each op it supports with the op's one signature (see ``
   raises the spec's error);
 - ``encode(y, fmt) -> codes``;
 - ``rotate(x) -> x @ H`` (fp32 in and out, ``D`` even; ``H`` the normalized Hadamard matrix, block-diagonal
-  in blocks of the largest power of two dividing ``D``);
+  in blocks of the largest power of two dividing ``D``); ``rotate_pair(k, v, mean, std)`` (the key
+  transform of keys and values; the base class composes it from ``rotate``);
 - ``dequantize(codes, scale, zero, i0, i1, *, fmt, group, axis, head_dim) -> x`` (fp32
   ``[B, H, i1 - i0, D]``: buffer indices ``[i0, i1)`` of a store);
 - ``transcode(src, i0, i1, dst, index, *, via, head_dim) -> bool`` (``src``: a store's codes,
@@ -225,6 +226,15 @@ class Backend:
 
     def supports_transcode(self, call: TranscodeCall) -> str | None:
         return f"{self.name} has no transcode"
+
+    def rotate_pair(self, k: torch.Tensor, v: torch.Tensor, mean, std) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ops.rotate_pair`` from this backend's ``rotate`` (a backend may do it in one call)."""
+        if mean is not None:
+            k = k - mean
+        if std is not None:
+            k = k / std
+        kv = self.rotate(torch.stack((k, v)))  # [2, B, H, n, D]
+        return kv[0], kv[1]
 
     def plan_decode(self, *tensors, **kw):
         """Optional: ``decode_attention`` over fixed buffers described once (``ops.plan_decode_attention``

@@ -43,7 +43,7 @@ from kvquant.kernels.backend import (
 )
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
 
-OPS = ("quantize_append", "decode_attention", "dequantize", "transcode", "encode", "rotate")
+OPS = ("quantize_append", "decode_attention", "dequantize", "transcode", "encode", "rotate", "rotate_pair")
 
 
 @functools.cache
@@ -71,6 +71,7 @@ def _unsupported(backend: Backend, op: str, call, forced: bool) -> str | None:
         "decode_attention": backend.supports_decode,
         "encode": backend.supports_encode,
         "rotate": backend.supports_rotate,
+        "rotate_pair": backend.supports_rotate,
         "dequantize": backend.supports_dequantize,
         "transcode": backend.supports_transcode,
     }[op]
@@ -82,6 +83,7 @@ _RECORDS = {
     "decode_attention": DecodeCall,
     "encode": EncodeCall,
     "rotate": RotateCall,
+    "rotate_pair": RotateCall,
     "dequantize": DequantizeCall,
     "transcode": TranscodeCall,
 }
@@ -574,6 +576,35 @@ def rotate(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     return next(_pick("rotate", (d, x.device.type), backend)).rotate(x)
 
 
+def rotate_pair(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mean: torch.Tensor | None = None,
+    std: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key transform's stored space of keys and values at once: ``(rotate((k - mean) / std),
+    rotate(v))`` for fp32 ``k, v [B, H, n, D]`` of one shape, ``mean`` / ``std`` ``[B, H, 1, D]``
+    fp32 (None: skipped). Equals those torch ops and :func:`rotate` on the stacked pair on every
+    backend; C on CPU does it in one call (a decode step's token leaving the tail).
+
+    Example:
+        >>> k, v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+        >>> ks, vs = rotate_pair(k, v, mean=k.mean(2, keepdim=True))
+        >>> torch.allclose(vs, rotate(v))
+        True
+    """
+    d = k.shape[-1] if k.dim() else 0
+    _check_rotation(d)
+    if k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"k, v: rotate_pair takes float32 [B, H, n, D] of one shape, got {tuple(k.shape)} {k.dtype} "
+            f"and {tuple(v.shape)} {v.dtype}"
+        )
+    return next(_pick("rotate_pair", (d, k.device.type), backend)).rotate_pair(k, v, mean, std)
+
+
 # --------------------------------------------------------------------------------------------- which
 
 
@@ -602,7 +633,7 @@ def backend_for(op_name: str, **call) -> str:
     scale_dtype = call.pop("scale_dtype", torch.float16)
     if op_name == "encode":
         desc = EncodeCall(call.pop("fmt"), head_dim, device)
-    elif op_name == "rotate":
+    elif op_name in ("rotate", "rotate_pair"):
         desc = RotateCall(head_dim, device)
     elif op_name == "dequantize":
         sdt = None if call.get("fmt") == "none" else scale_dtype
@@ -675,5 +706,6 @@ __all__ = [
     "SegmentRead",
     "raise_deferred",
     "rotate",
+    "rotate_pair",
     "transcode",
 ]

@@ -112,15 +112,14 @@ class KeyTransform:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v [B, H, n, D]`` -> the stored space (keys fp32 once smoothed); ``rotate=False``:
         smoothed only (for a kernel that rotates them itself: ``ops.decode_attention(rotation=...)``)."""
-        if self._stats32 is not None:
-            mean, std = self._stats32
+        mean, std = (None, None) if self._stats32 is None else self._stats32
+        if self.rotated and rotate and v.dtype == torch.float32 and k.shape == v.shape:  # one call for both
+            return ops.rotate_pair(k.float(), v, mean=mean, std=std)
+        if mean is not None:
             k = k.float() - mean
             if std is not None:
                 k = k / std
         if self.rotated and rotate:
-            if k.dtype == v.dtype == torch.float32 and k.shape == v.shape:  # one call for both
-                kv = ops.rotate(torch.stack((k, v)))  # [2, B, H, n, D]
-                return kv[0], kv[1]
             k, v = _rotate(k), _rotate(v)
         return k, v
 

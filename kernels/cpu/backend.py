@@ -29,6 +29,7 @@ from kvquant.kernels.cpu.binding import (
     dequantize_native,
     quantize_into,
     rotate_native,
+    rotate_pair_native,
     transcode_native,
     trellis_encode_native,
     writes_head,
@@ -113,6 +114,9 @@ class CpuBackend(Backend):
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         return rotate_native(x)
+
+    def rotate_pair(self, k, v, mean, std):
+        return rotate_pair_native(k, v, mean, std)
 
     def dequantize(self, codes, scale, zero, i0, i1, **kw) -> torch.Tensor:
         return dequantize_native(codes, scale, zero, i0, i1, **kw)

@@ -585,6 +585,24 @@ def rotate_native(x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def rotate_pair_native(k: torch.Tensor, v: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor | None):
+    """``(R ((k - mean) / std), R v)`` in one C call for fp32 CPU ``k, v [B, H, n, D]`` (``mean`` /
+    ``std [B, H, 1, D]`` fp32 or None): two views of one new ``[2, B, H, n, D]`` tensor, bit for bit
+    the torch ops followed by :func:`rotate_native`."""
+    b, h, n, d = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    stats = [None if t is None else t.contiguous() for t in (mean, std)]
+    out = torch.empty(2, b, h, n, d, dtype=torch.float32)
+    _library().kvq_rotate_pair(
+        k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3], b, h, n, d,
+        *(None if t is None else t.data_ptr() for t in stats), _hadamard_norm(d), out.data_ptr(),
+    )  # fmt: skip
+    return out[0], out[1]
+
+
 @functools.lru_cache(maxsize=64)
 def _hadamard_norm(d: int) -> float:
     """The normalization of the Hadamard rotation of ``d`` channels: ``1 / sqrt(block)``."""

@@ -171,6 +171,9 @@ def _load(path: Path) -> ctypes.CDLL:
     ro = lib.kvq_rotate
     ro.restype = None
     ro.argtypes = [p, i64, p, i64, i64, ctypes.c_float, ctypes.c_int]
+    rp = lib.kvq_rotate_pair
+    rp.restype = None
+    rp.argtypes = [p, i64, i64, i64, p, i64, i64, i64, i64, i64, i64, i64, p, p, ctypes.c_float, p]
     return lib
 
 

@@ -84,3 +84,22 @@ def test_a_cpu_call_takes_the_c_kernel_where_built():
     assert ops.backend_for("rotate", head_dim=64) == ("cpu" if HAS_C else "chunked")
     assert ops.backend_for("rotate", head_dim=64, device="meta") == "reference"
     assert ops.backend_for("rotate", head_dim=128, device="cuda") == "chunked"
+
+
+@pytest.mark.parametrize("backend", ["chunked", "reference", *(["cpu"] if HAS_C else [])])
+@pytest.mark.parametrize("d", [64, 96, 24])
+def test_rotate_pair_is_the_smoothing_then_one_rotation_of_the_pair(backend, d):
+    """``rotate_pair``: the key transform of keys and values in one call equals the torch ops and
+    ``rotate`` of the stacked pair on the same backend, bit for bit (the C call too), also on strided
+    views (a tail buffer's rows), with and without the smoothing statistics; bad input: one error."""
+    torch.manual_seed(d)
+    buf = torch.randn(2, 3, 9, d) * 3
+    k, v = buf[:, :, 2:5], torch.randn(2, 3, 9, d)[:, :, 4:7]  # [2, 3, 3, d] views
+    mean, std = torch.randn(2, 3, 1, d), torch.rand(2, 3, 1, d) + 0.5
+    for m, s in ((mean, std), (mean, None), (None, None)):
+        want_k = k if m is None else (k - m if s is None else (k - m) / s)
+        want = ops.rotate(torch.stack((want_k, v)), backend=backend)
+        got_k, got_v = ops.rotate_pair(k, v, mean=m, std=s, backend=backend)
+        assert torch.equal(got_k, want[0]) and torch.equal(got_v, want[1])
+    with pytest.raises(ValueError, match="rotate_pair takes float32"):
+        ops.rotate_pair(k, v.half(), backend=backend)
