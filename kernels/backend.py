@@ -300,7 +300,10 @@ def check_finite(*xs: torch.Tensor) -> None:
     On CPU the sums come first (a NaN or Inf anywhere makes a sum non-finite; one reduction per
     tensor), and only a non-finite sum (or a finite-valued one that overflowed) is looked at closely."""
     if not xs[0].is_cuda:
-        if math.isfinite(sum(float(x.sum(dtype=torch.float32)) for x in xs)):
+        total = 0.0
+        for x in xs:
+            total += float(x.sum() if x.dtype == torch.float32 else x.sum(dtype=torch.float32))
+        if math.isfinite(total):
             return
         if not all(bool(torch.isfinite(x).all()) for x in xs):
             raise ValueError(NONFINITE_INPUT)

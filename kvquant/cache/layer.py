@@ -157,9 +157,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             )
 
     @property
-    def tiers(self) -> list[QuantizedSegment]:
+    def tiers(self) -> tuple[QuantizedSegment, ...]:
         """The quantized tiers, oldest first (main store, then the recent window if any)."""
-        return [s for s in (self.main, self.recent) if s is not None]
+        if self.recent is None:
+            return () if self.main is None else (self.main,)
+        return self.main, self.recent
 
     @property
     def store_end(self) -> int:
@@ -169,7 +171,10 @@ class QuantizedKVLayer(CacheLayerMixin):
     @property
     def store_begin(self) -> int:
         """First quantized position still held."""
-        return next((s.begin for s in self.tiers if len(s)), self.store_end)
+        for s in self.tiers:
+            if s.end > s.begin:
+                return s.begin
+        return self.store_end
 
     # ------------------------------------------------------------------------------------ sizes
 
