@@ -923,6 +923,14 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
         }
         /* packed codes of 4 and 2 bits (3: their low fields): every field of 8 bytes from one load,
          * each chunk of 8 channels scaled (unless raw) as it is stored (put8) */
+        if (raw && o->bits == 4 && !o->lut) { /* (raw: no scale to apply; the common case) */
+            for (int j = 0; j < w; j += 8) {
+                const __m256i ci = bytes8(row + j);
+                _mm256_storeu_ps(dst + j, _mm256_cvtepi32_ps(_mm256_and_si256(ci, mask)));
+                _mm256_storeu_ps(dst + w + j, _mm256_cvtepi32_ps(_mm256_srli_epi32(ci, 4)));
+            }
+            continue;
+        }
         if (o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
             for (int j = 0; j < w; j += 8) {
                 const __m256i ci = bytes8(row + j);
