@@ -205,7 +205,8 @@ class NativeDecode:
                     f"{MAX_HEAD_DIM}, got {kf!r} / {vf!r} at {head_dim}"
                 )
         self._fn, self._d, self._hkv = lib.kvq_decode, head_dim, k_parts[0].shape[1]
-        self._keep: list = []  # the described buffers (and any contiguous copy) stay alive with the plan
+        # the described buffers (and any contiguous copy) stay alive with the plan: it holds pointers
+        self._keep: list = [*k_parts, *v_parts, *(t for x in extra for t in x.tensors())]
         self._k = _cached_operand(*k_parts, k_fmt, k_group, k_axis, self._keep)
         self._v = _cached_operand(*v_parts, v_fmt, v_group, "token", self._keep)
         self._n_x = n_x = len(extra)
@@ -515,10 +516,14 @@ class NativeTranscode:
 
     def __init__(self, src: tuple, dst: tuple, *, via: torch.dtype, head_dim: int):
         codes, scale, zero, fmt, group, axis = src
-        self._keep: list = []
+        self._keep: list = [
+            codes,
+            scale,
+            zero,
+            *dst[:3],
+        ]  # (the buffers read and written stay alive with the plan)
         self._op = _cached_operand(codes, scale, zero, fmt, group, axis, self._keep)
         self._w = _cached_writer(*dst)
-        self._keep.append(dst[:3])  # (the buffers written stay alive with the plan)
         self._fn, self._b, self._h = _library().kvq_transcode, codes.shape[0], codes.shape[1]
         self._d, self._via, self._dst_fmt = head_dim, _VIA[via], dst[3]
 

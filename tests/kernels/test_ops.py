@@ -485,3 +485,39 @@ def test_a_write_plan_writes_the_op_codes_and_refuses_as_the_op(backend, fmt):
     bad[1, 2, 0, 7] = float("inf")
     with pytest.raises(ValueError, match="input: key/value states contain NaN or Inf"):
         run(bad, 9)
+
+
+def test_plans_keep_the_buffers_they_describe_alive():
+    """A plan holds pointers into the buffers it was made for: it keeps them alive when the caller
+    drops its own references (here the buffers are made and dropped inside a function; the memory
+    freed buffers would leave is overwritten before the plans run)."""
+    import gc
+
+    def make():
+        tensors, args = _decode_case("nuq4", "tcq2", t=40, k_group=64, v_group=64, seed=21)
+        fixed = {k: args[k] for k in ("k_fmt", "v_fmt", "k_group", "v_group", "k_axis", "scaling")}
+        want = ops.decode_attention(*tensors, **args)
+        run = ops.plan_decode_attention(*tensors[1:], **fixed, head_dim=64)
+        src = (*tensors[1:4], "nuq4", 64, "token")
+        dst = (*_buffers("int8", 2, 2, 48, 64, 64, "token", torch.float16), "int8", 64, "token", False)
+        moved = [t.clone() if isinstance(t, torch.Tensor) else t for t in dst]
+        ops.transcode(src, 0, 40, tuple(moved), 0, via=torch.float32, head_dim=64)
+        return (
+            run,
+            tensors[0],
+            args["start"],
+            want,
+            ops.plan_transcode(src, dst, via=torch.float32, head_dim=64),
+            dst[:3],
+            moved[:3],
+        )
+
+    run, q, start, want, move, (codes, scale, _), (want_codes, want_scale, _) = make()
+    gc.collect()
+    sizes = [2**i * 40 for i in range(9)] * 8  # bytes of the freed buffers' size classes, 0xFF each
+    junk = [torch.full((n,), 255, dtype=torch.uint8) for n in sizes]  # (reuses freed memory)
+    got = run(q, start, 40)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    move(0, 40, 0)
+    assert torch.equal(codes, want_codes) and torch.equal(_bits(scale), _bits(want_scale))
+    del junk
