@@ -215,6 +215,13 @@ def _reads_segments(b: Backend, extra: tuple[SegmentRead, ...], d: int, device: 
     return all(b in _supporting("decode_attention", s.call_fields(d, device)) for s in extra)
 
 
+def _decode_fields(k_fmt, v_fmt, d, device, k_axis, k_group, v_group, k_scale, v_scale, fp) -> tuple:
+    """The fields of the :class:`DecodeCall` of a decode over these buffers, in order."""
+    k_sdt = None if k_scale is None else k_scale.dtype
+    v_sdt = None if v_scale is None else v_scale.dtype
+    return (k_fmt, v_fmt, d, device, k_axis, k_group, v_group, k_sdt, v_sdt, fp)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -265,18 +272,9 @@ def decode_attention(
         ``out = 0``, ``lse = -inf``).
     """
     fp = fp_k is not None and fp_k.shape[2] > 0
-    call = (
-        k_fmt,
-        v_fmt,
-        q.shape[-1],
-        q.device.type,
-        k_axis,
-        k_group,
-        v_group,
-        None if k_scale is None else k_scale.dtype,
-        None if v_scale is None else v_scale.dtype,
-        fp,
-    )  # the fields of a DecodeCall
+    call = _decode_fields(
+        k_fmt, v_fmt, q.shape[-1], q.device.type, k_axis, k_group, v_group, k_scale, v_scale, fp
+    )
     b = next(_pick("decode_attention", call, backend))
     kw = dict(
         k_fmt=k_fmt,
@@ -359,18 +357,9 @@ def plan_decode_attention(
     tensors = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     kw = dict(k_fmt=k_fmt, v_fmt=v_fmt, k_group=k_group, v_group=v_group, k_axis=k_axis)
     device = k_codes.device.type
-    call = (
-        k_fmt,
-        v_fmt,
-        head_dim,
-        device,
-        k_axis,
-        k_group,
-        v_group,
-        None if k_scale is None else k_scale.dtype,
-        None if v_scale is None else v_scale.dtype,
-        fp_tokens,
-    )  # the fields of a DecodeCall
+    call = _decode_fields(
+        k_fmt, v_fmt, head_dim, device, k_axis, k_group, v_group, k_scale, v_scale, fp_tokens
+    )
     b = next(_pick("decode_attention", call, backend), None)
     run = None
     if (
