@@ -128,6 +128,7 @@ def test_decode_steps_reuse_one_plan_until_a_tier_moves():
             assert "run" not in layer.plans
             old_codes = weakref.ref(view.reads[0].k.codes)
             del view, same
+            last_run = last_cap = run = None  # (the test's own references to the last plan)
             assert old_codes() is None
             grows += 1
             continue
