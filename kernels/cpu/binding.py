@@ -237,6 +237,10 @@ class NativeDecode:
         """``(out [B, Hq, D], lse [B, Hq])`` fp32; ``extra_bounds``: ``(start [B], end)`` of each
         ``extra`` segment, in order."""
         b, hq, d = q.shape
+        if d != self._d or hq % self._hkv:
+            raise ValueError(
+                f"q: expected [B, Hq, {self._d}], Hq a multiple of {self._hkv}, got {tuple(q.shape)}"
+            )
         qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()  # [B, Hkv, G, D]
         if out is None:
             out = torch.empty(b, hq, d, dtype=torch.float32)
