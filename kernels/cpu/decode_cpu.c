@@ -703,6 +703,24 @@ static const uint64_t *trellis_pairs(const kvq_operand *o) {
     return pairs;
 }
 
+/* The level pairs of a 3-bit, 3-code trellis table (NULL for any other code): entry i = state_{d+1}
+ * | (state_d >> 6) << 9 (the 12 distinct bits of two neighbouring states, d even) holds (level of d,
+ * level of d+1). 4,096 x 8 bytes, built once per thread and table. */
+static const uint64_t *trellis_pairs3(const kvq_operand *o) {
+    static __thread uint64_t pairs[4096];
+    static __thread float key[512];
+    static __thread int built;
+    if (o->bits != 3 || o->state_codes != 3 || !o->lut) return NULL;
+    if (built && memcmp(key, o->lut, sizeof key) == 0) return pairs;
+    memcpy(key, o->lut, sizeof key);
+    for (int i = 0; i < 4096; i++) {
+        const float ab[2] = {o->lut[i >> 3], o->lut[i & 511]};
+        memcpy(&pairs[i], ab, sizeof pairs[i]);
+    }
+    built = 1;
+    return pairs;
+}
+
 /* Levels of a 2-bit, 4-code trellis row from its 8-bit states st[0..D): two channels per load from
  * the pair table (trellis_pairs), times s[channel / gs] (s NULL: raw). */
 static inline void trellis_pair_levels(const uint8_t *st, int D, const uint64_t *pairs, const float *s, int gs,
@@ -773,12 +791,28 @@ static inline void trellis_levels16(const uint16_t *st, int D, uint64_t mask, co
     }
 }
 
-/* The 9-bit states of a 3-bit, 3-code trellis row straight from its packed bytes (D % 64 == 0; see
- * tcq2_states_packed): each vector of 16 codes is its low bits (one of the 4 two-bit planes of D / 4
- * bytes) or'ed with its high bits (the 8 one-bit planes of D / 8 bytes: one plane per 16 channels,
- * or two of 8 when D is 64), then the codes 1 and 2 channels back by byte alignment with the vector
- * before, widened to 16-bit lanes for the shifts. */
-static void tcq3_states_packed(const uint8_t *row, const packed_layout *pk, uint16_t *st) {
+/* Levels of a 3-bit, 3-code trellis row from its pair indices pi[0..D/2) (tcq3_pairs_packed): two
+ * channels per load from trellis_pairs3, times s[channel / gs] (s NULL: raw). */
+static inline void trellis_pair3_levels(const uint32_t *pi, int D, const uint64_t *pairs, const float *s, int gs,
+                                        float *out) {
+    for (int c = 0; c < D; c += 8) {
+        uint64_t u, w;
+        memcpy(&u, pi + c / 2, 8);
+        memcpy(&w, pi + c / 2 + 2, 8);
+        __m256 x = _mm256_castsi256_ps(_mm256_setr_epi64x((long long)pairs[(uint32_t)u], (long long)pairs[u >> 32],
+                                                          (long long)pairs[(uint32_t)w], (long long)pairs[w >> 32]));
+        if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
+        _mm256_storeu_ps(out + c, x);
+    }
+}
+
+/* The pair indices (trellis_pairs3) of a 3-bit, 3-code trellis row straight from its packed bytes
+ * (D % 64 == 0; see tcq2_states_packed): each vector of 16 codes is its low bits (one of the 4 two-bit
+ * planes of D / 4 bytes) or'ed with its high bits (the 8 one-bit planes of D / 8 bytes: one plane per
+ * 16 channels, or two of 8 when D is 64), then the 9-bit states with the codes 1 and 2 channels back
+ * by byte alignment with the vector before, widened to 16-bit lanes for the shifts, then each pair of
+ * channels' 12 distinct bits in a 32-bit lane: pi[j] for channels 2j, 2j+1. */
+static void tcq3_pairs_packed(const uint8_t *row, const packed_layout *pk, uint32_t *pi) {
     const int nv = pk->nv;
     const __m128i three = _mm_set1_epi8(3), one = _mm_set1_epi8(1);
     __m128i cv[32]; /* the codes of channels 16 i .. 16 i + 15, one per byte */
@@ -801,7 +835,10 @@ static void tcq3_states_packed(const uint8_t *row, const packed_layout *pk, uint
         __m256i x = _mm256_cvtepu8_epi16(cur);
         x = _mm256_or_si256(x, _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_alignr_epi8(cur, prev, 15)), 3));
         x = _mm256_or_si256(x, _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_alignr_epi8(cur, prev, 14)), 6));
-        _mm256_storeu_si256((__m256i *)(st + 16 * i), x);
+        /* 32-bit lane j = state_2j | state_2j+1 << 16 -> state_2j+1 | (state_2j >> 6) << 9 */
+        _mm256_storeu_si256((__m256i *)(pi + 8 * i),
+                            _mm256_or_si256(_mm256_srli_epi32(x, 16),
+                                            _mm256_and_si256(_mm256_slli_epi32(x, 3), _mm256_set1_epi32(0xE00))));
     }
 }
 
@@ -844,6 +881,7 @@ typedef struct {
     __m256i mask;
     __m256 lut_lo, lut_hi;
     const uint64_t *pairs; /* trellis_pairs, or NULL */
+    const uint64_t *pairs3; /* trellis_pairs3 (packed == 2) */
     int packed;            /* trellis states from the packed bytes: 1 tcq2, 2 tcq3 (D % 64 == 0), 0 no */
     packed_layout pk;      /* where each vector of 16 codes lies (packed != 0) */
 } block8_plan;
@@ -862,7 +900,8 @@ static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
     pl->gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 8;
     for (int c = 0; c < pl->nc; c++) pl->grp[c] = 8 * c / pl->gs;
     pl->pairs = o->state_codes ? trellis_pairs(o) : NULL;
-    pl->packed = D % 64 ? 0 : (pl->pairs ? 1 : (o->bits == 3 && o->state_codes == 3 && o->lut ? 2 : 0));
+    pl->pairs3 = o->state_codes ? trellis_pairs3(o) : NULL;
+    pl->packed = D % 64 ? 0 : (pl->pairs ? 1 : (pl->pairs3 ? 2 : 0));
     if (pl->packed) plan_packed(o->bits, (int)D, &pl->pk);
 }
 
@@ -912,9 +951,9 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             continue;
         }
         if (pl->packed == 2) {
-            uint16_t st[512];
-            tcq3_states_packed(row, &pl->pk, st);
-            trellis_levels16(st, (int)D, 511, o->lut, s, gs, dst);
+            uint32_t pi[256];
+            tcq3_pairs_packed(row, &pl->pk, pi);
+            trellis_pair3_levels(pi, (int)D, pl->pairs3, s, gs, dst);
             continue;
         }
         if (o->state_codes) {
