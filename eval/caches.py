@@ -168,7 +168,7 @@ def _engine_spec(spec: str) -> CacheSpec:
         raise EvalError(f"cache {spec!r}: no such checkpoint folder or file {path!r}")
     quant = engine_config(path)
     try:
-        check_static_scales(quant)
+        check_calibration_files(quant)
     except ValueError as exc:
         raise EvalError(f"cache {spec!r}: {exc}") from None
     settings = {"class": "KVQuantCache", "reads": "stored", **quant.to_dict()}
@@ -204,7 +204,7 @@ def _one_spec(spec: str) -> CacheSpec:
             f"cache: unknown cache or preset {spec!r}; allowed: {allowed}, or a YAML path"
         ) from None
     try:
-        check_static_scales(quant)
+        check_calibration_files(quant)
     except ValueError as exc:
         raise EvalError(f"cache {spec!r}: {exc}") from None
     return CacheSpec(
@@ -219,6 +219,16 @@ def resolve_spec(spec: str) -> CacheSpec:
         >>> resolve_spec("int4").build(model)     # a fresh, empty KVQuantCache with the int4 preset
     """
     return _one_spec(str(spec).strip())
+
+
+def check_calibration_files(quant: KVQuantConfig) -> None:
+    """Read a config's ``static_scales`` and ``key_map`` files (if any) now, before any slow work
+    (``ValueError`` naming the file otherwise)."""
+    check_static_scales(quant)
+    if quant.key_map is not None:
+        from kvquant.key_map import load_key_map
+
+        load_key_map(quant.key_map)
 
 
 def check_static_scales(quant: KVQuantConfig) -> None:

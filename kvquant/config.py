@@ -84,6 +84,12 @@ class KVQuantConfig:
             tokens in ``nuq4`` ahead of ``nuq2``, with the residual cut from 8 to 4 tokens, took the
             mean KL from 0.152 to 0.111 for 0.06 more bits per element.
         scale_dtype: ``float16``, ``bfloat16`` or ``float32``.
+        key_map: a key map (:mod:`kvquant.key_map`): the name of one shipped with kvquant
+            (``smollm2``) or the path of a file from ``kvquant calibrate --key-map``. A calibrated
+            ``[D, D]`` map per (layer, KV head) applied to the smoothed keys before the rotation, so
+            that their quantization error falls where the model's queries look less; attention
+            stays exact (the query is folded). Model-specific: calibrate one per model. From a YAML
+            file, a relative path is taken from the file's folder.
         static_scales: path of a calibration file (``kvquant calibrate``) with per-(layer, head)
             scales; int8 / fp8 only. Codes then carry no per-token scales.
         layer_overrides: ``{layer_index: {field: value}}``.
@@ -103,6 +109,7 @@ class KVQuantConfig:
     recent_key_format: str = "nuq4"
     recent_value_format: str = "nuq4"
     scale_dtype: str = "float16"
+    key_map: str | None = None
     static_scales: str | None = None
     layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     name: str = "custom"
@@ -140,6 +147,10 @@ class KVQuantConfig:
             raise _bad("recent_length", self.recent_length, "0 when key_axis is 'channel'")
         if self.scale_dtype not in SCALE_DTYPES:
             raise _bad("scale_dtype", self.scale_dtype, ", ".join(SCALE_DTYPES))
+        if self.key_map is not None and (not isinstance(self.key_map, str) or not self.key_map):
+            raise _bad(
+                "key_map", self.key_map, "a shipped key map's name or a file path (a non-empty string)"
+            )
         if self.static_scales is not None:
             for f in ("key_format", "value_format"):
                 if not format_spec(getattr(self, f)).takes_static_scale:
@@ -228,6 +239,12 @@ class KVQuantConfig:
             )
         data = _read_yaml(path)
         data.setdefault("name", path.stem)
+        for f in ("key_map", "static_scales"):  # relative to the YAML file's folder, where it exists
+            value = data.get(f)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                beside = path.parent / value
+                if beside.exists():
+                    data[f] = str(beside)
         return cls.from_dict(data)
 
     @classmethod

@@ -1,10 +1,12 @@
-"""The key transform: per-head Hadamard rotation and channel smoothing as one object.
+"""The key transform: per-head Hadamard rotation, channel smoothing and a key map as one object.
 
-Stored keys are ``R (k - mean) / std`` and stored values ``R v`` (``R`` the normalized Walsh-Hadamard
+Stored keys are ``R M (k - mean) / std`` and stored values ``R v`` (``R`` the normalized Walsh-Hadamard
 matrix, symmetric and orthogonal; ``mean`` / ``std`` per (row, head, channel), fitted on the first
-tokens quantized, padding and sinks excluded). Attention over the stored operands stays exact:
+tokens quantized, padding and sinks excluded; ``M`` an optional calibrated ``[D, D]`` map per KV head,
+the identity when none is given: see :mod:`kvquant.key_map`). Attention over the stored operands
+stays exact:
 
-- the query is folded: ``q' = R (q * std)``, so ``q' . k' = q . (k - mean)``;
+- the query is folded: ``q' = R M^-T (q * std)``, so ``q' . k' = q . (k - mean)``;
 - every score (stored or full precision, once those go through :meth:`KeyTransform.apply` too) is
   short by the same ``q . mean``: the softmax is unchanged and :meth:`KeyTransform.shift_lse` adds
   ``scaling * q . mean`` back to the log-sum-exp (exact without softcap);
@@ -22,6 +24,7 @@ Example:
     >>> ks, vs = t.apply(k, v)
     >>> torch.allclose(t.undo(ks, vs)[0], k, atol=1e-3)
     True
+    >>> m = KeyTransform("hadamard", "mean", key_map=torch.eye(64).repeat(2, 1, 1))  # [H, D, D]
 """
 
 from __future__ import annotations
@@ -45,18 +48,26 @@ _rotate = rotate  # (the methods' ``rotate`` flag shadows the name)
 
 
 class KeyTransform:
-    """Rotation and smoothing of one layer's stored keys (values: rotation only).
+    """Rotation, smoothing and key map of one layer's stored keys (values: rotation only).
 
     Args:
         rotation: ``none`` or ``hadamard``.
         smoothing: ``none``, ``mean`` (subtract each channel's mean) or ``channel`` (and divide by
             its standard deviation).
         scale_dtype: dtype the statistics are kept in (the store's scale dtype).
+        key_map: ``[H, D, D]`` (fp32, invertible) applied to each KV head's smoothed keys before the
+            rotation (``kvquant calibrate --key-map``); None: the identity. Shared, never modified.
 
     ``stats`` is ``(mean[B, H, 1, D], std[B, H, 1, D] | None)`` once fitted (None before).
     """
 
-    def __init__(self, rotation: str = "none", smoothing: str = "none", scale_dtype=torch.float16):
+    def __init__(
+        self,
+        rotation: str = "none",
+        smoothing: str = "none",
+        scale_dtype=torch.float16,
+        key_map: torch.Tensor | None = None,
+    ):
         if rotation not in ROTATIONS:
             raise ValueError(f"rotation: unknown {rotation!r}; allowed: {', '.join(ROTATIONS)}")
         if smoothing not in SMOOTHINGS:
@@ -64,6 +75,8 @@ class KeyTransform:
         self.rotated = rotation == "hadamard"
         self.smoothing = smoothing
         self.scale_dtype = scale_dtype
+        self.key_map = key_map
+        self._maps: dict = {}  # (kind, device, query heads) -> the map as each step uses it
         self.stats = None
 
     @property
@@ -79,7 +92,32 @@ class KeyTransform:
 
     @property
     def is_identity(self) -> bool:
-        return not self.rotated and self.smoothing == "none"
+        return not self.rotated and self.smoothing == "none" and self.key_map is None
+
+    def key_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype stored keys are read in to undo this transform: fp32 where smoothing or a map
+        take part (their inverse needs it), else ``dtype``."""
+        return torch.float32 if self.stats is not None or self.key_map is not None else dtype
+
+    def _map(self, kind: str, device: torch.device, hq: int = 0) -> torch.Tensor:
+        """The key map as one step uses it, made once per (kind, device, query heads): ``fwd``
+        ``M^T [1, H, D, D]`` (keys right-multiply it), ``inv`` ``M^-T`` (undo), ``query``
+        ``M^-1 [1, Hq, D, D]`` (a query row times it is ``M^-T q``), repeated over each KV head's
+        query heads."""
+        key = (kind, device, hq)
+        if key not in self._maps:
+            m = self.key_map.float()  # [H, D, D]
+            if kind == "fwd":
+                t = m.transpose(-1, -2)
+            else:
+                inv = torch.linalg.inv(m.double()).float()
+                t = (
+                    inv.repeat_interleave(hq // m.shape[0], dim=0)
+                    if kind == "query"
+                    else inv.transpose(-1, -2)
+                )
+            self._maps[key] = t.unsqueeze(0).to(device).contiguous()
+        return self._maps[key]
 
     @property
     def needs_fit(self) -> bool:
@@ -113,12 +151,17 @@ class KeyTransform:
         """``k, v [B, H, n, D]`` -> the stored space (keys fp32 once smoothed); ``rotate=False``:
         smoothed only (for a kernel that rotates them itself: ``ops.decode_attention(rotation=...)``)."""
         mean, std = (None, None) if self._stats32 is None else self._stats32
-        if self.rotated and rotate and v.dtype == torch.float32 and k.shape == v.shape:  # one call for both
+        pair = self.rotated and rotate and v.dtype == torch.float32 and k.shape == v.shape
+        if pair and self.key_map is None:  # one call for both
             return ops.rotate_pair(k.float(), v, mean=mean, std=std)
         if mean is not None:
             k = k.float() - mean
             if std is not None:
                 k = k / std
+        if self.key_map is not None:
+            k = k.float() @ self._map("fwd", k.device)  # [B, H, n, D]
+            if pair:
+                return ops.rotate_pair(k, v)
         if self.rotated and rotate:
             k, v = _rotate(k), _rotate(v)
         return k, v
@@ -127,6 +170,8 @@ class KeyTransform:
         """Inverse of :meth:`apply` (keys come back fp32 where smoothed)."""
         if self.rotated:
             k, v = unrotate(k), unrotate(v)
+        if self.key_map is not None:
+            k = k.float() @ self._map("inv", k.device)
         if self._stats32 is not None:
             mean, std = self._stats32
             k = k.float()
@@ -147,10 +192,12 @@ class KeyTransform:
         return self._per_head[key]
 
     def fold_query(self, q: torch.Tensor, rotate: bool = True) -> torch.Tensor:
-        """``q[B, Hq, D]`` -> the query that scores stored keys: ``R (q * std)`` (``rotate=False``:
-        ``q * std``, for a kernel that rotates it itself)."""
+        """``q[B, Hq, D]`` -> the query that scores stored keys: ``R M^-T (q * std)`` (``rotate=False``:
+        ``M^-T (q * std)``, for a kernel that rotates it itself)."""
         if self.stats is not None and self.stats[1] is not None:
             q = q.float() * self._per_query_head(1, q.shape[1])
+        if self.key_map is not None:
+            q = (q.float().unsqueeze(-2) @ self._map("query", q.device, q.shape[1])).squeeze(-2)
         return _rotate(q) if self.rotated and rotate else q
 
     def shift_lse(self, lse: torch.Tensor, q: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -52,6 +52,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         config: this layer's resolved :class:`KVQuantConfig` (no ``layer_overrides``).
         static_scales: optional ``(key_scale[H_kv], value_scale[H_kv])``.
         initial_capacity: tokens the main store is first allocated for (it grows by doubling).
+        key_map: optional ``[H_kv, D, D]`` map of the keys before they are rotated and stored
+            (:mod:`kvquant.key_map`; shared, never modified).
 
     Example:
         >>> layer = QuantizedKVLayer(KVQuantConfig.resolve("int4"))
@@ -71,10 +73,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         config: KVQuantConfig,
         static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         initial_capacity: int = 256,
+        key_map: torch.Tensor | None = None,
     ):
         super().__init__()
         self.config = config
         self.static_scales = static_scales
+        self.key_map = key_map
         self.initial_capacity = max(1, initial_capacity)
         self.record_past = False
         self.return_view = False  # set by KVQuantCache when the model runs the `kvquant` attention
@@ -93,7 +97,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.recent: QuantizedSegment | None = None
         self.tail = TailSegment(cfg.residual_length, self.block)
         self.sinks = SinkSegment(cfg.sink_tokens) if cfg.sink_tokens else None
-        self.transform = KeyTransform(cfg.rotation, cfg.smoothing, cfg.torch_scale_dtype)
+        self.transform = KeyTransform(cfg.rotation, cfg.smoothing, cfg.torch_scale_dtype, self.key_map)
         self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
         self.pads_max = 0
         self.plans: dict = {}  # the kvquant attention's decode plan for these tiers (see KVView.plans)
@@ -102,6 +106,11 @@ class QuantizedKVLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         dv = value_states.shape[3]
         cfg = self.config
+        if self.key_map is not None and tuple(self.key_map.shape) != (h, d, d):
+            raise ValueError(
+                f"key_map: this layer's map is {tuple(self.key_map.shape)}; its keys need "
+                f"[kv_heads, head_dim, head_dim] = [{h}, {d}, {d}]"
+            )
         self.device, self.dtype, self.head_dim, self.kv_heads = key_states.device, key_states.dtype, d, h
         self.value_head_dim = dv
         kg, vg = cfg.group_sizes(d)[0], cfg.group_sizes(dv)[1]
@@ -345,7 +354,7 @@ class QuantizedKVLayer(CacheLayerMixin):
     def read(self, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V ``[B, H, p1 - p0, D]`` of stored positions ``[p0, p1)`` (transform undone,
         sinks put back)."""
-        kdt = torch.float32 if self.transform.stats is not None else self.dtype
+        kdt = self.transform.key_dtype(self.dtype)
         parts, lo = [], p0
         for tier in self.tiers:  # each holds the positions up to its end
             hi = min(p1, tier.end)

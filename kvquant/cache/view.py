@@ -94,7 +94,7 @@ class KVView:
         dtype = self.new_k.dtype
         parts_k, parts_v = [], []
         if self.reads:
-            kdt = torch.float32 if self.transform.stats is not None else dtype
+            kdt = self.transform.key_dtype(dtype)
             stored = [r.dequantized(kdt, dtype) for r in self.reads]
             k = torch.cat([s[0] for s in stored], 2)
             v = torch.cat([s[1] for s in stored], 2)

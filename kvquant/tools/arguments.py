@@ -108,6 +108,22 @@ def float_above(low: float, inclusive: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """argparse ``type``: a number in ``[low, high]``."""
+    want = f"a number from {low:g} to {high:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if not low <= value <= high:  # (NaN fails too)
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+
+    return parse
+
+
 def ints_at_least(low: int) -> Callable[[str], list[int]]:
     """argparse ``type``: a non-empty comma-separated list of integers >= ``low``."""
     one = int_at_least(low)
@@ -149,8 +165,8 @@ def check_cache(flag: str, spec: str):
     """A cache config (preset name or YAML path) and its static-scales file, checked before the model
     loads; ``ValueError`` naming ``flag``."""
     from kvquant.config import KVQuantConfig
-    from kvquant.eval.caches import check_static_scales
+    from kvquant.eval.caches import check_calibration_files
 
     cfg = flagged(flag, KVQuantConfig.resolve, spec)
-    flagged(flag, check_static_scales, cfg)
+    flagged(flag, check_calibration_files, cfg)
     return cfg

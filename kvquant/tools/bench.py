@@ -55,11 +55,11 @@ def resolve_presets(presets: tuple[str, ...] | list[str] | None) -> list[str]:
         names += preset_names() if p == "all" else [p]
     if not names:
         raise ValueError("--presets: empty")
-    from kvquant.eval.caches import check_static_scales
+    from kvquant.eval.caches import check_calibration_files
 
     for name in names:
         try:
-            check_static_scales(KVQuantConfig.resolve(name))
+            check_calibration_files(KVQuantConfig.resolve(name))
         except ValueError as exc:
             if name.endswith((".yaml", ".yml")) or "/" in name:  # a file: say what is wrong with it
                 raise ValueError(f"--presets: {' '.join(str(exc).split())}") from None

@@ -28,6 +28,7 @@ from kvquant.tools.arguments import (
     describe,
     flagged,
     float_above,
+    float_in,
     int_at_least,
     ints_at_least,
 )
@@ -294,13 +295,26 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvquant.eval.config import CorpusSection
     from kvquant.eval.corpus import load_corpus, tokenize
     from kvquant.models import load_model
-    from kvquant.tools.calibrate import calibrate_static_scales
+    from kvquant.tools.calibrate import calibrate_key_map, calibrate_static_scales
 
-    cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
+    if args.key_map:
+        cfg = check_cache("--cache", args.cache)
+    else:
+        cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
     check_output_file("--out", args.out)
     corpus = flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
     model, tok = flagged("--model", load_model, args.model)
     ids = tokenize(tok, corpus.text)[None, : args.tokens]  # [1, N]
+    if args.key_map:
+        meta = {"model": args.model or "smollm2", "corpus": args.corpus, "cache": cfg.name}
+        maps = flagged(
+            "--tokens", calibrate_key_map, model, ids, cfg, args.out, exponent=args.exponent, meta=meta
+        )
+        print(
+            f"wrote {args.out}: key maps of {len(maps)} layers, {tuple(next(iter(maps.values())).shape)} each, "
+            f"from {ids.shape[1]} tokens of {args.corpus}; use it as `key_map: {args.out}`"
+        )
+        return 0
     scales = calibrate_static_scales(model, ids, cfg, args.out, margin=args.margin)
     print(
         f"wrote {args.out}: keys {tuple(scales['keys'].shape)}, values {tuple(scales['values'].shape)} "
@@ -310,12 +324,34 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="static per-(layer, head) int8 / fp8 scales from calibration text")
+    p = sub.add_parser(
+        "calibrate", help="static per-(layer, head) int8 / fp8 scales, or key maps, from calibration text"
+    )
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
+    p.add_argument(
+        "--key-map",
+        action="store_true",
+        help="write a key map (use it as `key_map: FILE` in a cache config) instead of static scales",
+    )
+    p.add_argument(
+        "--cache",
+        default="nuq4",
+        help="key map: the preset / YAML whose smoothing, sinks and residual it is for (default: nuq4)",
+    )
+    p.add_argument(
+        "--exponent",
+        type=float_in(0.0, 1.0),
+        default=0.75,
+        help="key map: 1 = the least expected score error, 0 = no map (default: 0.75)",
+    )
     p.add_argument("--corpus", default="embedded", help="'embedded', 'wikitext2' or a local .txt/.jsonl file")
     p.add_argument("--tokens", type=int_at_least(1), default=4096, help="calibration tokens (default: 4096)")
-    p.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3", "fp8_e5m2"])
-    p.add_argument("--rotation", default="none", choices=["none", "hadamard"])
+    p.add_argument(
+        "--format", default="int8", choices=["int8", "fp8_e4m3", "fp8_e5m2"], help="static scales: the format"
+    )
+    p.add_argument(
+        "--rotation", default="none", choices=["none", "hadamard"], help="static scales: the rotation"
+    )
     p.add_argument(
         "--margin", type=float_above(0), default=1.0, help="multiplies the observed maximum (default: 1.0)"
     )

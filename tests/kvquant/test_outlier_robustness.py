@@ -256,6 +256,23 @@ def test_outliers_break_plain_int4_and_smoothing_fixes_the_keys(setup):
     assert kl(setup, {**_INT4_PLAIN, "smoothing": "mean", "rotation": "hadamard"}) <= KL_4_TO_5_BITS
 
 
+@pytest.mark.parametrize("name", ["nuq3", "tcq2-recent"])
+def test_a_calibrated_key_map_lowers_the_kl(setup, name, tmp_path):
+    """The outlier model's queries are small where its keys are large: a key map calibrated on other
+    tokens of the model (``kvquant calibrate --key-map``) moves the key error to where the queries
+    look less, and the decode-mode KL falls by at least a quarter (measured: nuq3 0.036 -> 0.022,
+    tcq2-recent 0.036 -> 0.019)."""
+    import dataclasses
+
+    from kvquant.tools.calibrate import calibrate_key_map
+
+    model = setup[0]
+    cfg = KVQuantConfig.resolve(name)
+    calibrate_key_map(model, outlier_tokens(model, 2048, seed=5), cfg, tmp_path / "km.pt", window=512)
+    plain, mapped = kl(setup, cfg), kl(setup, dataclasses.replace(cfg, key_map=str(tmp_path / "km.pt")))
+    assert mapped < 0.75 * plain, (plain, mapped)
+
+
 if __name__ == "__main__":  # the table: python tests/kvquant/test_outlier_robustness.py
     torch.set_num_threads(1)
     case = build_case()

@@ -76,3 +76,21 @@ def test_static_scales_are_measured_on_the_stored_keys_smoothing_included():
     want = (k - k.mean(dim=2, keepdim=True)).abs().amax(dim=(0, 2, 3)) / 127
     torch.testing.assert_close(centred[0], want, rtol=2e-3, atol=1e-6)
     assert not torch.allclose(centred[0], raw[0])
+
+
+def test_cli_writes_a_key_map_a_cache_takes(tiny_model_dir, tmp_path, capsys):
+    from kvquant.key_map import load_key_map
+    from kvquant.models import load_model
+    from kvquant.tools.cli import main
+
+    out = tmp_path / "km.pt"
+    argv = ["calibrate", "--key-map", "--model", str(tiny_model_dir), "--cache", "tcq3v2-recent"]
+    assert main(argv + ["--tokens", "400", "--out", str(out)]) == 0
+    assert f"use it as `key_map: {out}`" in capsys.readouterr().out
+    model, _ = load_model(str(tiny_model_dir))
+    maps = load_key_map(str(out))
+    assert sorted(maps) == list(range(model.config.num_hidden_layers))
+    cache = KVQuantCache(model.config, {"key_format": "nuq4", "value_format": "nuq4", "key_map": str(out)})
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 100, (1, 40)), cache=cache, use_cache=True)
+    assert cache.layers[0].transform.key_map is maps[0]  # the loaded map itself, shared

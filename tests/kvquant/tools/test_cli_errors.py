@@ -70,6 +70,9 @@ def files(tmp_path_factory) -> dict[str, str]:
         path = d / f"static_{name}.yaml"
         path.write_text(f"key_format: int8\nvalue_format: int8\nstatic_scales: {target}\n")
         out[f"static_{name}.yaml"] = str(path)
+        path = d / f"keymap_{name}.yaml"
+        path.write_text(f"key_format: nuq4\nvalue_format: nuq4\nkey_map: {target}\n")
+        out[f"keymap_{name}.yaml"] = str(path)
     return out
 
 
@@ -123,6 +126,12 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "calibrate --tokens -3": ("calibrate", ["--tokens", "-3"], "--tokens"),
     "calibrate --margin 0": ("calibrate", ["--margin", "0"], "--margin: expected a finite number > 0"),
     "calibrate --margin inf": ("calibrate", ["--margin", "inf"], "--margin"),
+    "calibrate --exponent 2": ("calibrate", ["--key-map", "--exponent", "2"], "--exponent: expected a number from 0 to 1"),
+    "calibrate --key-map --cache nosuch": (
+        "calibrate",
+        ["--key-map", "--cache", "nosuch"],
+        "--cache: config: no such preset or YAML file 'nosuch'",
+    ),
     "plan --context 0": ("plan", ["--context", "0"], "--context: expected an integer >= 1"),
     "plan --batch 0": ("plan", ["--batch", "0"], "--batch"),
     "plan --memory abc": ("plan", ["--memory", "abc"], "--memory: cannot parse size 'abc'"),
@@ -199,6 +208,9 @@ CASES: dict[str, tuple[str, list[str], str]] = {
             ("static_missing.yaml", "static_scales: no such calibration file"),
             ("static_garbage.yaml", "static_scales: cannot read"),
             ("static_wrong.yaml", "is not a kvquant calibration file"),
+            ("keymap_missing.yaml", "key_map: no such key map file"),
+            ("keymap_garbage.yaml", "is not a kvquant key map file"),
+            ("keymap_wrong.yaml", "is not a kvquant key map file"),
         )
     },
     **{
