@@ -126,7 +126,11 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "calibrate --tokens -3": ("calibrate", ["--tokens", "-3"], "--tokens"),
     "calibrate --margin 0": ("calibrate", ["--margin", "0"], "--margin: expected a finite number > 0"),
     "calibrate --margin inf": ("calibrate", ["--margin", "inf"], "--margin"),
-    "calibrate --exponent 2": ("calibrate", ["--key-map", "--exponent", "2"], "--exponent: expected a number from 0 to 1"),
+    "calibrate --exponent 2": (
+        "calibrate",
+        ["--key-map", "--exponent", "2"],
+        "--exponent: expected a number from 0 to 1",
+    ),
     "calibrate --key-map --cache nosuch": (
         "calibrate",
         ["--key-map", "--cache", "nosuch"],
