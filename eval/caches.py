@@ -401,7 +401,7 @@ def simulate_quantization(cache: Any) -> Any:
         if isinstance(cache, KVQuantCache):
             if not isinstance(layer, QuantizedKVLayer):
                 return k, v
-            scratch = QuantizedKVLayer(layer.config, static_scales=layer.static_scales)
+            scratch = QuantizedKVLayer(layer.config, static_scales=layer.static_scales, key_map=layer.key_map)
             scratch.lazy_initialization(key_states, value_states)
             scratch.append(key_states, value_states, (kwargs.get("kwargs") or {}).get("position_ids"))
             return scratch.read_history()

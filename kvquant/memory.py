@@ -68,7 +68,8 @@ def layer_bytes(
     static = None
     if cfg.static_scales is not None:  # one calibrated scale per head; only its size matters here
         static = (torch.ones(heads, device="meta"), torch.ones(heads, device="meta"))
-    layer = make_layer(cfg, sliding_window, static_scales=static, initial_capacity=1)
+    # (a key map adds no bytes to a cache: a model constant, like the weights)
+    layer = make_layer(cfg, sliding_window, static_scales=static, initial_capacity=1, key_map=None)
     if tokens > 0:
         kv = torch.empty(batch, heads, tokens, head_dim, dtype=_FP_DTYPES[fp_itemsize], device="meta")
         layer.lazy_initialization(kv, kv)

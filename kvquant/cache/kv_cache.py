@@ -22,7 +22,6 @@ from kvquant.cache.layer import QuantizedKVLayer, make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.engine_scales import is_scales_checkpoint, read_scales
 from kvquant.kernels import ops
-from kvquant.key_map import layer_map, load_key_map
 
 SUPPORTED_LAYER_TYPES = (
     "full_attention",
@@ -126,7 +125,11 @@ class KVQuantCache(Cache):
                         f"static_scales: {part} of shape {tuple(scales[part].shape)} in the file; the model "
                         f"needs [layers, kv_heads] = [{num_layers}, {heads}]"
                     )
-        maps = self._key_maps(decoder_config, layer_types)
+        if self.quant_config.key_map is not None and self._latent:
+            raise ValueError(
+                "key_map: not for multi-head latent attention models (the cache holds a compressed "
+                "latent, not per-head keys); leave key_map unset"
+            )
         for idx in self.quant_config.layer_overrides:
             if not -num_layers <= idx < num_layers:
                 raise ValueError(
@@ -155,27 +158,10 @@ class KVQuantCache(Cache):
                     sliding_window=kwargs.get("sliding_window"),
                     static_scales=static,
                     initial_capacity=initial_capacity,
-                    key_map=None if maps is None else maps[i],
+                    layer_idx=i,
                 )
             )
         super().__init__(layers=layers)
-
-    def _key_maps(self, decoder_config: Any, layer_types: list[str]) -> dict[int, torch.Tensor] | None:
-        """The config's key map per attention layer, checked against the model's shapes (None: none)."""
-        spec = self.quant_config.key_map
-        if spec is None:
-            return None
-        if self._latent:
-            raise ValueError(
-                "key_map: not for multi-head latent attention models (the cache holds a compressed "
-                "latent, not per-head keys); leave key_map unset"
-            )
-        maps = load_key_map(spec)  # (shapes are checked by each layer against its first keys)
-        return {
-            i: layer_map(maps, i, spec)
-            for i, t in enumerate(layer_types)
-            if t not in _STATE_LAYER_TYPES and t != "dummy"
-        }
 
     def uses_views(self) -> bool:
         """Whether ``update`` hands out store views (the ``kvquant`` attention is active)."""

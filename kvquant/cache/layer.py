@@ -25,6 +25,7 @@ from kvquant.cache.store import TokenStore
 from kvquant.cache.view import KVView, QuantizedRead
 from kvquant.config import KVQuantConfig
 from kvquant.kernels import ops
+from kvquant.key_map import layer_map, load_key_map
 from kvquant.transforms import KeyTransform
 
 _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a layer stores
@@ -574,9 +575,15 @@ class SlidingKVLayer(QuantizedKVLayer):
 
 
 def make_layer(
-    config: KVQuantConfig, sliding_window: int | None = None, **kwargs
+    config: KVQuantConfig, sliding_window: int | None = None, *, layer_idx: int | None = None, **kwargs
 ) -> QuantizedKVLayer | SlidingKVLayer:
-    """The layer for one model layer: sliding when ``sliding_window`` is set."""
+    """The layer for model layer ``layer_idx``: sliding when ``sliding_window`` is set; with the
+    config's key map for that layer (:func:`kvquant.key_map.load_key_map`, read once per file) when it
+    has one, which needs ``layer_idx``."""
+    if config.key_map is not None and "key_map" not in kwargs:
+        if layer_idx is None:
+            raise ValueError("layer_idx: a config with a key_map needs the layer's index to pick its map")
+        kwargs["key_map"] = layer_map(load_key_map(config.key_map), layer_idx, config.key_map)
     if sliding_window is None:
         return QuantizedKVLayer(config, **kwargs)
     return SlidingKVLayer(config, sliding_window, **kwargs)

@@ -408,7 +408,7 @@ def _probe_batch(
         parts, g = [], 0
         while g < g_count:
             if g in quantized[j]:
-                layer = make_layer(quantized[j][g])
+                layer = make_layer(quantized[j][g], layer_idx=j)
                 layer.update(k, v)
                 parts.append((g * w, (g + 1) * w, layer))
                 g += 1
@@ -438,7 +438,7 @@ def stored_error(
     from kvquant.cache.layer import make_layer
 
     k, v = calib.kv[layer]
-    store = make_layer(probe_config(base, which, fmt, main_only))
+    store = make_layer(probe_config(base, which, fmt, main_only), layer_idx=layer)
     store.update(k, v)
     keys, values = store.update(k[:, :, -1:], v[:, :, -1:])  # reads every stored token back
     got, want = (keys, k) if which == "key" else (values, v)
