@@ -150,6 +150,31 @@ def test_decode_measurement_is_the_evals(skewed):
     assert batched[0] > 0 and batched[0] > batched[2]
 
 
+def test_probes_take_the_base_key_map(skewed, tmp_path):
+    """A base with a key map: each probe's layer gets that layer's map (as a cache built from the
+    config does), so the probe equals the cache's decode KL and differs from a probe without it."""
+    from kvquant.tools.calibrate import calibrate_key_map
+
+    calibrate_key_map(skewed, _windows(7).reshape(1, -1), BASE, tmp_path / "km.pt", window=60)
+    mapped = dataclasses.replace(BASE, key_map=str(tmp_path / "km.pt"))
+    calib = prefill(skewed, _windows(1), 48)
+    job = ("key", "tcq2", 1)
+    with_map, without = (
+        _probe_batch(skewed, calib, mapped, [job])[0],
+        _probe_batch(skewed, calib, BASE, [job])[0],
+    )
+    over = {j: {"key_format": "none", "value_format": "none"} for j in range(4)}
+    one = dataclasses.replace(probe_config(mapped, *job[:2]), layer_overrides={})
+    over[1] = {
+        f: getattr(one, f) for f in ("key_format", "value_format", "recent_key_format", "recent_value_format")
+    }
+    cfg = dataclasses.replace(
+        mapped, recent_key_format="int8", recent_value_format="int8", layer_overrides=over
+    )
+    assert with_map == pytest.approx(decode_kl(skewed, calib, cfg), rel=2e-2)
+    assert with_map != pytest.approx(without, rel=1e-2)
+
+
 def test_tuned_beats_every_uniform_config_on_held_out_windows(skewed):
     calib = prefill(skewed, _windows(2), 48)
     held_out = prefill(skewed, _windows(3), 48)
