@@ -545,8 +545,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         tune,
     )
 
-    if args.base is not None:
-        check_cache("--base", args.base)
+    base = args.base
+    if base is not None:
+        base = check_cache("--base", base)
+    if args.key_map is not None:  # the base's keys mapped (kvquant calibrate --key-map) before rotation
+        from kvquant.eval.caches import check_calibration_files
+        from kvquant.tools.tune import DEFAULT_BASE
+
+        base = flagged("--key-map", dataclasses.replace, base or DEFAULT_BASE, key_map=args.key_map)
+        flagged("--key-map", check_calibration_files, base)
     check_output_file("--out", args.out)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     flagged("--formats", check_formats, formats)
@@ -569,7 +576,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         calib,
         budget_kl=args.budget_kl,
         budget_bits=args.budget_bits,
-        base=args.base,
+        base=base,
         formats=formats,
         verify=not args.no_verify,
         sensitivity=sens,
@@ -584,6 +591,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         f"kvquant tune {budget} --corpus {args.corpus} --windows {args.windows} --prefix-len "
         f"{args.prefix_len} --score-len {args.score_len} --formats {','.join(formats)}"
         + (f" --base {args.base}" if args.base else "")
+        + (f" --key-map {args.key_map}" if args.key_map else "")
         + (f" (sensitivities reused from {args.sensitivity})" if sens is not None else "")
         + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-layer formats for this model only; "
         f"tuned in {minutes:.1f} min"
@@ -617,6 +625,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--base", default=None, help="preset / YAML with the shared settings (default: the *-recent recipe)"
+    )
+    p.add_argument(
+        "--key-map",
+        default=None,
+        help="a key map for the base (a shipped name, e.g. smollm2, or a file from kvquant calibrate --key-map)",
     )
     p.add_argument(
         "--formats", default=_TUNE_MENU, help=f"comma-separated format menu (default {_TUNE_MENU})"

@@ -235,6 +235,40 @@ def _write(path, cfg):
     return path
 
 
+def test_tune_cli_key_map_reaches_the_base_and_the_config(tiny_model_dir, tmp_path, capsys):
+    """``--key-map``: the tuned config keeps the map (its probes measured with it) and says so."""
+    from transformers import AutoConfig
+
+    from kvquant.key_map import save_key_map
+
+    c = AutoConfig.from_pretrained(tiny_model_dir)
+    d = c.hidden_size // c.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    maps = {
+        i: torch.eye(d) + 0.1 * torch.randn(c.num_key_value_heads, d, d, generator=g)
+        for i in range(c.num_hidden_layers)
+    }
+    save_key_map(tmp_path / "km.pt", maps)
+    out = tmp_path / "tuned.yaml"
+    args = [
+        "tune",
+        "--model",
+        str(tiny_model_dir),
+        "--budget-bits",
+        "5",
+        "--windows",
+        "1",
+        "--prefix-len",
+        "40",
+    ]
+    args += ["--score-len", "8", "--formats", "tcq2,tcq3", "--out", str(out), "--no-progress", "--no-verify"]
+    args += ["--base", str(_write(tmp_path / "base.yaml", BASE)), "--key-map", str(tmp_path / "km.pt")]
+    assert main(args) == 0, capsys.readouterr().err
+    cfg = KVQuantConfig.from_yaml(out)
+    assert Path(cfg.key_map) == tmp_path / "km.pt" and cfg.sink_tokens == BASE.sink_tokens
+    assert f"--key-map {tmp_path / 'km.pt'}" in out.read_text().splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -244,6 +278,8 @@ def _write(path, cfg):
         (["--budget-bits", "3", "--score-len", "1"], "--score-len: expected an integer >= 2"),
         (["--budget-bits", "0"], "--budget-bits"),
         (["--budget-bits", "3", "--measure", "some"], "--measure"),
+        (["--budget-bits", "3", "--key-map", "no-such-map.pt"], "--key-map: key_map: no such key map file"),
+        (["--budget-bits", "3", "--key-map", ""], "--key-map: key_map"),
     ],
 )
 def test_tune_cli_bad_input_is_one_line(tmp_path, capsys, extra, message):
