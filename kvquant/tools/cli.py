@@ -549,11 +549,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if base is not None:
         base = check_cache("--base", base)
     if args.key_map is not None:  # the base's keys mapped (kvquant calibrate --key-map) before rotation
-        from kvquant.eval.caches import check_calibration_files
+        from kvquant.key_map import load_key_map
         from kvquant.tools.tune import DEFAULT_BASE
 
         base = flagged("--key-map", dataclasses.replace, base or DEFAULT_BASE, key_map=args.key_map)
-        flagged("--key-map", check_calibration_files, base)
+        flagged("--key-map", load_key_map, args.key_map)  # (the base's other files: checked above)
     check_output_file("--out", args.out)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     flagged("--formats", check_formats, formats)
