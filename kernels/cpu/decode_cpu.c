@@ -266,106 +266,6 @@ static inline __m512 hsum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-/* unpack_row for 2- and 3-bit planar codes, 16 bytes per step (masked at the end of a plane). */
-static inline void unpack_row_simd(const uint8_t *restrict c, int bits, int D, uint8_t *restrict idx) {
-    const int w = D / 4;
-    const __m128i three = _mm_set1_epi8(3), one = _mm_set1_epi8(1);
-    for (int j = 0; j < w; j += 16) { /* the int2 plane: channel j + k w in bits 2k .. 2k+1 of byte j */
-        const __mmask16 m = (__mmask16)(w - j >= 16 ? 0xFFFF : (1u << (w - j)) - 1u);
-        const __m128i v = _mm_maskz_loadu_epi8(m, c + j);
-        for (int k = 0; k < 4; k++)
-            _mm_mask_storeu_epi8(idx + k * w + j, m, _mm_and_si128(_mm_srli_epi16(v, 2 * k), three));
-    }
-    if (bits == 2) return;
-    const int w1 = D / 8; /* 3 bits: the high bit of channel j + k w1 is bit k of byte w + j */
-    for (int j = 0; j < w1; j += 16) {
-        const __mmask16 m = (__mmask16)(w1 - j >= 16 ? 0xFFFF : (1u << (w1 - j)) - 1u);
-        const __m128i v = _mm_maskz_loadu_epi8(m, c + w + j);
-        for (int k = 0; k < 8; k++) {
-            uint8_t *dst = idx + k * w1 + j;
-            const __m128i hi = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(v, k), one), 2);
-            _mm_mask_storeu_epi8(dst, m, _mm_or_si128(_mm_maskz_loadu_epi8(m, dst), hi));
-        }
-    }
-}
-#else
-#define unpack_row_simd unpack_row
-#endif
-
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define KVQ_TRELLIS_VBMI 1
-/* Trellis states of a whole row (up to 256 channels, 2- or 3-bit codes) straight from its bytes, in
- * registers: for each 64-channel group, every piece of a state (the low bit pair or the high bit of
- * the code j channels back, circularly) is one byte permute of the row's plane (vpermb) that brings
- * the source byte to the lane, one multishift that moves the field to its place in the state, and
- * one masked or. lo: state bits 0..7, hi: bits 8..15 (3-bit codes: the top bit of 9). */
-typedef struct {
-    int key, n_pieces, w, w1;
-    uint8_t perm[4][8][64], ctl[4][8][64]; /* [group][piece][lane] */
-    uint8_t mask[8], window[8], high[8];   /* per piece: field mask, plane (0 low, 1 high), dest byte */
-} trellis_ix;
-
-static const trellis_ix *trellis_index(int bits, int m, int D) {
-    static __thread trellis_ix ix;
-    const int key = bits | m << 4 | D << 8;
-    if (ix.key == key) return &ix;
-    ix.key = 0;
-    const int w = D / 4, w1 = D / 8;
-    int n = 0;
-    for (int j = 0; j < m; j++)
-        for (int part = 0; part < (bits == 3 ? 2 : 1); part++) {
-            const int len = part ? 1 : 2, dest = j * bits + (part ? 2 : 0);
-            if (dest / 8 != (dest + len - 1) / 8 || n >= 8) return NULL; /* (not for the shipped codes) */
-            ix.mask[n] = (uint8_t)(((1 << len) - 1) << (dest % 8));
-            ix.window[n] = (uint8_t)part;
-            ix.high[n] = (uint8_t)(dest / 8);
-            for (int g = 0; g < (D + 63) / 64; g++)
-                for (int i = 0; i < 64; i++) {
-                    const int ch = 64 * g + i, src = ((ch - j) % D + D) % D;
-                    int byte = 0, bit = 0;
-                    if (ch < D) {
-                        const int plane = part ? src / w1 : src / w;
-                        byte = part ? src - plane * w1 : src - plane * w;
-                        bit = part ? plane : 2 * plane;
-                    }
-                    ix.perm[g][n][i] = (uint8_t)byte; /* source byte to lane i, then bits shifted */
-                    ix.ctl[g][n][i] = (uint8_t)((8 * (i % 8) + bit - dest % 8 + 64) % 64);
-                }
-            n++;
-        }
-    ix.n_pieces = n, ix.w = w, ix.w1 = bits == 3 ? w1 : 0, ix.key = key;
-    return &ix;
-}
-
-/* One row's dequantized values out[D] (times the group scales s, or raw when s is NULL). */
-static inline void trellis_row_vbmi(const trellis_ix *ix, const uint8_t *row, const float *lut, int D,
-                                    const float *s, int gs, float *out) {
-    const __m512i lo_win = _mm512_maskz_loadu_epi8(ix->w >= 64 ? ~0ULL : (1ULL << ix->w) - 1, row);
-    const __m512i hi_win = ix->w1 ? _mm512_maskz_loadu_epi8((1ULL << ix->w1) - 1, row + ix->w) : lo_win;
-    for (int g = 0; g < (D + 63) / 64; g++) {
-        __m512i st[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int p = 0; p < ix->n_pieces; p++) {
-            const __m512i src = _mm512_permutexvar_epi8(_mm512_loadu_si512(ix->perm[g][p]), ix->window[p] ? hi_win : lo_win);
-            const __m512i f = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(ix->ctl[g][p]), src);
-            st[ix->high[p]] = _mm512_ternarylogic_epi32(st[ix->high[p]], f, _mm512_set1_epi8((char)ix->mask[p]), 0xF8);
-        }
-        uint8_t lo[64], hi[64];
-        _mm512_storeu_si512(lo, st[0]);
-        _mm512_storeu_si512(hi, st[1]);
-        for (int c = 0; c < 4 && 64 * g + 16 * c < D; c++) {
-            __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lo + 16 * c)));
-            if (ix->w1) /* 3-bit codes: the states' ninth bit */
-                idx = _mm512_or_si512(idx, _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(hi + 16 * c))), 8));
-            __m512 x = _mm512_i32gather_ps(idx, lut, 4);
-            const int d0 = 64 * g + 16 * c;
-            if (s) x = _mm512_mul_ps(x, _mm512_set1_ps(s[d0 / gs]));
-            _mm512_storeu_ps(out + d0, x);
-        }
-    }
-}
-#endif
-
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 16 channels per step: bytes -> 16 int32 codes
  * (one shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert, a
  * 16-entry permute for codebooks, a gather for fp8) -> times scale plus zero point. */
@@ -379,9 +279,6 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
     const int small_lut = o->lut && o->bits < 8;
     const __m512 lut16 = small_lut ? _mm512_loadu_ps(o->lut) : _mm512_setzero_ps();
     const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 16;
-#ifdef KVQ_TRELLIS_VBMI
-    const trellis_ix *tix = o->state_codes && D <= 256 && o->bits <= 3 ? trellis_index(o->bits, o->state_codes, (int)D) : NULL;
-#endif
     for (int64_t i = 0; i < nt; i++) {
         const int64_t t = t0 + i;
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
@@ -393,30 +290,6 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
             if (o->zero) z = zb;
         }
         float *dst = out + i * D;
-#ifdef KVQ_TRELLIS_VBMI
-        if (tix) {
-            trellis_row_vbmi(tix, row, o->lut, (int)D, s, gs, dst);
-            continue;
-        }
-#endif
-        if (o->state_codes) { /* trellis: codes unpacked with the m-1 that wrap around before channel 0 */
-            const int m = o->state_codes, k = o->bits;
-            uint8_t ib[16 + 512 + 16];
-            unpack_row_simd(row, o->bits, (int)D, ib + 16);
-            memcpy(ib + 16 - (m - 1), ib + 16 + D - (m - 1), (size_t)(m - 1));
-            for (int c = 0; c < nc; c++) {
-                const uint8_t *p = ib + 16 + 16 * c;
-                __m512i st = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                for (int j = 1; j < m; j++) {
-                    const __m512i cj = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p - j)));
-                    st = _mm512_or_si512(st, _mm512_sll_epi32(cj, _mm_cvtsi32_si128(j * k)));
-                }
-                __m512 x = _mm512_i32gather_ps(st, o->lut, 4);
-                if (s) x = _mm512_mul_ps(x, _mm512_set1_ps(s[16 * c / gs]));
-                _mm512_storeu_ps(dst + 16 * c, x);
-            }
-            continue;
-        }
         if (raw && o->bits == 4 && !o->lut) { /* both nibbles of each byte from one load */
             for (int j = 0; j < w; j += 16) {
                 const __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + j)));
@@ -1248,8 +1121,9 @@ static void decode_head(const float *qh, int64_t G, int64_t D, const kvq_operand
                         int64_t b, int64_t h, int64_t t_begin, int64_t T, float scaling, float softcap,
                         float *kf, float *vf, uint8_t *idx, float *sc, float *m, float *l, float *acc,
                         const uint8_t *valid) {
-#if defined(__AVX512F__)
-    if (D % 16 == 0 && G <= 64 && !valid) {
+#if defined(__AVX512F__) /* (trellis stores: the AVX2 path, whose pair tables read two levels per load;
+                            a 16-lane gather per 16 channels here took 2-3x its time on Zen 4) */
+    if (D % 16 == 0 && G <= 64 && !valid && !k->state_codes && !v->state_codes) {
         decode_head_avx512(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, m, l, acc);
         return;
     }
