@@ -267,8 +267,9 @@ static inline __m512 hsum16(const __m512 *v) {
 }
 
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 16 channels per step: bytes -> 16 int32 codes
- * (one shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert, a
- * 16-entry permute for codebooks, a gather for fp8) -> times scale plus zero point. */
+ * (one shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert, or a
+ * 16-entry permute for codebooks) -> times scale plus zero point. Integer and codebook codes only
+ * (reads16). */
 static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt,
                          int64_t D, float *out, int raw) {
     const int nc = (int)(D / 16);
@@ -311,9 +312,7 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
                     __m512i hi = _mm512_srl_epi32(_mm512_cvtepu8_epi32(hb), _mm_cvtsi32_si128(shift1[c]));
                     ci = _mm512_or_si512(ci, _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), 2));
                 }
-                if (small_lut) x = _mm512_permutexvar_ps(ci, lut16);
-                else if (o->lut) x = _mm512_i32gather_ps(ci, o->lut, 4);
-                else x = _mm512_cvtepi32_ps(ci);
+                x = small_lut ? _mm512_permutexvar_ps(ci, lut16) : _mm512_cvtepi32_ps(ci);
             }
             if (s) {
                 if (o->channel_axis) {
@@ -1116,14 +1115,24 @@ static void decode_head_generic(const float *qh, int64_t G, int64_t D, const kvq
     }
 }
 
+#if defined(__AVX512F__)
+/* Does the AVX-512 head read this operand well? Full-precision rows, or codes it loads 16 channels
+ * at a time without a gather. The others take the AVX2 head: 3-bit codes of 64-wide heads (their
+ * high-bit planes of 8 bytes: row by row here), fp8 (a 256-entry gather here, bit tricks there),
+ * trellis codes (a gather per 16 states here, two levels per load from a pair table there). */
+static int reads16(const kvq_operand *o, int64_t D) {
+    if (o->bits == 32) return 1;
+    return avx_loadable(o, D, 16) && !o->state_codes && !(o->lut && o->bits == 8);
+}
+#endif
+
 /* One (batch row, KV head), tokens [t_begin, T): the widest path this build and shape allow. */
 static void decode_head(const float *qh, int64_t G, int64_t D, const kvq_operand *k, const kvq_operand *v,
                         int64_t b, int64_t h, int64_t t_begin, int64_t T, float scaling, float softcap,
                         float *kf, float *vf, uint8_t *idx, float *sc, float *m, float *l, float *acc,
                         const uint8_t *valid) {
-#if defined(__AVX512F__) /* (trellis stores: the AVX2 path, whose pair tables read two levels per load;
-                            a 16-lane gather per 16 channels here took 2-3x its time on Zen 4) */
-    if (D % 16 == 0 && G <= 64 && !valid && !k->state_codes && !v->state_codes) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && G <= 64 && !valid && reads16(k, D) && reads16(v, D)) {
         decode_head_avx512(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, m, l, acc);
         return;
     }
