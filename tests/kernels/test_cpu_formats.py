@@ -107,11 +107,11 @@ def test_trellis_heads_not_a_multiple_of_16_or_8(fmt):
         _decode(fmt, "nuq2", d=20, g=2, t=13, seed=13)  # D % 8: the row-by-row path on every CPU
 
 
-@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512vbmi", "-mno-avx2"])
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx2"])
 def test_the_builds_for_other_cpus_read_trellis_codes_too(flag, monkeypatch, tmp_path):
-    """The kernel built without AVX-512 (the AVX2 path alone), without VBMI or without AVX2 (the
-    portable loops): same results, decode and quantize. (Trellis stores take the AVX2 path in every
-    build with AVX2: the default build's AVX-512 head leaves them to it.)"""
+    """The kernel built without AVX-512 (the AVX2 path alone) or without AVX2 (the portable loops):
+    same results, decode and quantize. (Trellis stores take the AVX2 path in every build with AVX2:
+    the default build's AVX-512 head leaves them to it.)"""
     monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
     cc = shutil.which(os.environ.get("CC", "cc"))
     lib = build._load(build._build(cc, (*build.CFLAGS, flag)))
