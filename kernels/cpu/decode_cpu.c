@@ -280,13 +280,15 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
     const int small_lut = o->lut && o->bits < 8;
     const __m512 lut16 = small_lut ? _mm512_loadu_ps(o->lut) : _mm512_setzero_ps();
     const int gs = o->scale && !o->channel_axis ? (int)(D / o->n_groups) : 16;
+    float sb[512], zb[512];
+    int64_t scale_row = -1; /* channel axis: the scale row in sb / zb (one per `group` tokens) */
     for (int64_t i = 0; i < nt; i++) {
         const int64_t t = t0 + i;
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
-        float sb[512], zb[512];
         const float *s = NULL, *z = NULL;
         if (o->scale && !raw) {
-            load_scales(o, b, h, t, (int)D, sb, zb);
+            if (!o->channel_axis || t / o->group != scale_row) load_scales(o, b, h, t, (int)D, sb, zb);
+            scale_row = o->channel_axis ? t / o->group : -1;
             s = sb;
             if (o->zero) z = zb;
         }
