@@ -48,6 +48,15 @@ static inline void load_scales(const kvq_operand *o, int64_t b, int64_t h, int64
     if (o->zero) load_f32(o->zero, o->scale_dtype, b * o->zero_sb + h * o->zero_sh + r * o->zero_st, n, z);
 }
 
+/* load_scales for token t, unless the channel-axis scale row in s / z (*row: its index, -1 none)
+ * already is t's: a block of rows converts each row of per-channel scales once. */
+static inline void load_scales_once(const kvq_operand *o, int64_t b, int64_t h, int64_t t, int D,
+                                    float *restrict s, float *restrict z, int64_t *row) {
+    if (o->channel_axis && t / o->group == *row) return;
+    load_scales(o, b, h, t, D, s, z);
+    *row = o->channel_axis ? t / o->group : -1;
+}
+
 /* exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7; vectorizes. */
 static inline float exp_nonpos(float x) {
     if (x == 0.0f) return 1.0f; /* (what the polynomial gives: the usual case, a running max unchanged) */
@@ -287,8 +296,7 @@ static void load_block16(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + t * o->code_st;
         const float *s = NULL, *z = NULL;
         if (o->scale && !raw) {
-            if (!o->channel_axis || t / o->group != scale_row) load_scales(o, b, h, t, (int)D, sb, zb);
-            scale_row = o->channel_axis ? t / o->group : -1;
+            load_scales_once(o, b, h, t, (int)D, sb, zb, &scale_row);
             s = sb;
             if (o->zero) z = zb;
         }
@@ -811,9 +819,7 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
         const uint8_t *row = o->codes + b * o->code_sb + h * o->code_sh + (t0 + i) * o->code_st;
         const float *s = NULL, *z = NULL;
         if (o->scale && !raw) {
-            if (!o->channel_axis || (t0 + i) / o->group != scale_row)
-                load_scales(o, b, h, t0 + i, (int)D, sb, zb);
-            scale_row = o->channel_axis ? (t0 + i) / o->group : -1;
+            load_scales_once(o, b, h, t0 + i, (int)D, sb, zb, &scale_row);
             s = sb;
             if (o->zero) z = zb;
         }
@@ -1124,7 +1130,8 @@ static void decode_head_generic(const float *qh, int64_t G, int64_t D, const kvq
  * trellis codes (a gather per 16 states here, two levels per load from a pair table there). */
 static int reads16(const kvq_operand *o, int64_t D) {
     if (o->bits == 32) return 1;
-    return avx_loadable(o, D, 16) && !o->state_codes && !(o->lut && o->bits == 8);
+    const int levels16 = o->bits <= 4 && !o->state_codes; /* a table load_block16 holds in a register */
+    return avx_loadable(o, D, 16) && (!o->lut || levels16);
 }
 #endif
 
