@@ -9,7 +9,8 @@ timed region.
 and the DynamicCache it is compared with share the same machine state: on a busy or throttling
 machine, drift hits both alike. The runner pairs every config with a DynamicCache this way.
 :func:`measure_decode` fills every cache once and interleaves rounds of decode steps (the CPU
-benchmark: more decode steps for the same time).
+benchmark: more decode steps for the same time); with ``paired_with`` the reference runs right
+before every other cache, so each ratio is taken between adjacent runs.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def measure_decode(
     decode_tokens: int,
     warmup: int,
     repeats: int,
+    paired_with: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Decode speed of every cache after ONE prefill of ``ids [B, L]`` each, rounds interleaved.
 
@@ -126,30 +128,69 @@ def measure_decode(
     every cache in turn decodes ``decode_tokens`` greedy tokens, continuing from where its previous
     round stopped (the context grows by ``decode_tokens`` per round). The median round is reported.
     Cheaper than :func:`measure_speed` (one prefill per cache instead of one per run), so more
-    rounds fit, and machine drift still hits all caches alike. All caches are held at once.
+    rounds fit. All caches are held at once.
+
+    ``paired_with`` (a name in ``builds``, e.g. a ``DynamicCache``): that cache runs right before
+    every other one, cropped back (``crop(-n)``) to the same context first, and each row gets
+    ``paired_x``, the median over rounds of the reference's time over its own in the paired runs:
+    above 1, faster than the reference. On a machine whose speed drifts over seconds (a shared VM),
+    a ratio of runs seconds apart moves by tens of percent; adjacent runs share the machine's state.
+    The reference's own row is the median of its paired runs. A reference with sliding-window layers
+    cannot be cropped back past its window: it then runs once per round like the others, and
+    ``paired_x`` is the ratio of the median rounds.
 
     Returns ``name -> {context, batch, prefill_ms, decode_ms_per_step, decode_tok_s, repeats,
-    context_end}`` (``context_end``: the context after the last round).
+    context_end}`` (``context_end``: the context after the last round), plus ``paired_x``.
     """
     device = next(model.parameters()).device
     ids = ids.to(device)
     b, length = ids.shape
+    if paired_with is not None and paired_with not in builds:
+        raise ValueError(f"paired_with: {paired_with!r} is not one of the caches: {', '.join(builds)}")
     state: dict[str, list] = {}
     for name, build in builds.items():  # one prefill each
         cache = build()
         nxt, prefill_s = _timed_prefill(model, cache, ids, device)
         state[name] = [cache, nxt, prefill_s, []]
+    ref_name = paired_with if paired_with and len(builds) > 1 and _croppable(state[paired_with][0]) else None
+    ratios: dict[str, list[float]] = {name: [] for name in builds if name != ref_name}
     for i in range(warmup + repeats):
+        start = length + i * decode_tokens  # every cache's context at the start of this round
         for name in builds:
+            if name == ref_name:
+                continue
+            ref_s = None
+            if ref_name is not None:
+                ref = state[ref_name]
+                ref[0].crop(start - ref[0].get_seq_length())  # back to this round's context
+                ref[1], ref_s = _timed_decode(model, ref[0], ref[1], decode_tokens, device)
             cache, nxt, _, rounds = state[name]
             state[name][1], seconds = _timed_decode(model, cache, nxt, decode_tokens, device)
             if i >= warmup:
                 rounds.append(seconds)
+                if ref_s is not None:
+                    state[ref_name][3].append(ref_s)
+                    ratios[name].append(ref_s / seconds)
     rows = {}
     for name, (_, _, prefill_s, rounds) in state.items():
         row = _speed_row(length, b, prefill_s, statistics.median(rounds), decode_tokens, repeats)
         rows[name] = {**row, "context_end": length + (warmup + repeats) * decode_tokens}
+    if paired_with is not None:
+        ref_tok_s = rows[paired_with]["decode_tok_s"]
+        for name, row in rows.items():
+            paired = ratios.get(name) if ref_name is not None else None
+            # unpaired (alone, or a reference that cannot crop): the ratio of the median rounds
+            row["paired_x"] = statistics.median(paired) if paired else row["decode_tok_s"] / ref_tok_s
     return rows
+
+
+def _croppable(cache: Any) -> bool:
+    """Whether ``cache`` takes ``crop(-n)`` at any length: not a sliding-window layer (past its
+    window, transformers' drops what a crop would restore)."""
+    layers = getattr(cache, "layers", None)
+    return callable(getattr(cache, "crop", None)) and not any(
+        getattr(layer, "is_sliding", False) for layer in layers or ()
+    )
 
 
 def with_ratios(rows: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list[dict[str, Any]]:

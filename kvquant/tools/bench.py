@@ -13,7 +13,11 @@ throughout; caches that hand it plain tensors get SDPA from it):
 Decode: per context ``L``, every contender's cache is filled once with an ``L``-token prompt, then
 ``warmup + repeats`` rounds of ``steps`` greedy steps run, the contenders interleaved round by round
 (:func:`kvquant.eval.speed.measure_decode`; the context grows by ``steps`` per round); tokens/s of
-the median round. Prefill: the time of one forward over a ``prefill``-token prompt into a fresh cache,
+the median round. DynamicCache runs right before every other contender in each round (cropped back
+to the same context): a ratio is the median over rounds of the two adjacent runs' ratio, and the
+ratio to quanto int4 is the ratio of the two contenders' ratios to DynamicCache. On a shared machine
+whose speed drifts by tens of percent over seconds, this is what keeps a ratio from moving with the
+run order. Prefill: the time of one forward over a ``prefill``-token prompt into a fresh cache,
 as a ratio to DynamicCache's time (above 1: slower), median of runs interleaved run by run
 (:func:`kvquant.eval.speed.measure_speed`); ``prefill=0`` skips the column. Machine load hits all
 contenders alike.
@@ -219,7 +223,9 @@ def to_markdown(rows: list[dict], contexts: list[int], prefill: int) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     notes = [
         "",
-        "tok/s: decode, batch 1, median of interleaved runs; `vs`: tok/s ratio (above 1: faster). "
+        "tok/s: decode, batch 1, median of interleaved runs; `vs`: tok/s ratio (above 1: faster), "
+        "median over rounds of the ratio to the DynamicCache run just before (quanto: the ratio of "
+        "the two ratios). "
         "Prefill: time ratio (above 1: slower). `none` is the pass-through preset (no quantization).",
     ]
     return "\n".join(lines + notes) + "\n"
@@ -272,7 +278,10 @@ def bench_cpu(
         measured: dict[str, list[dict]] = {label: [] for label in builds}
         for length in contexts:
             ids = prompt_tokens(stream, length, 1)
-            for label, row in measure_decode(model, builds, ids, decode_tokens=steps, **timing).items():
+            decode = measure_decode(
+                model, builds, ids, decode_tokens=steps, paired_with="DynamicCache", **timing
+            )
+            for label, row in decode.items():
                 measured[label].append(row)
         pre = None
         if prefill:
@@ -286,7 +295,7 @@ def bench_cpu(
     rows = []
     for label, label_rows in measured.items():
         p = None if pre is None else with_ratios(pre[label], pre["DynamicCache"])[0]
-        for r in with_ratios(label_rows, measured["DynamicCache"]):
+        for r in label_rows:
             q = quanto.get(r["context"])
             rows.append(
                 {
@@ -294,8 +303,8 @@ def bench_cpu(
                     "cache": label,
                     "backend": backend.get(label, ""),
                     "tokens_per_s": r["decode_tok_s"],
-                    "vs_dynamic": r["decode_x"],
-                    "vs_quanto_int4": r["decode_tok_s"] / q["decode_tok_s"] if q else None,
+                    "vs_dynamic": r["paired_x"],
+                    "vs_quanto_int4": r["paired_x"] / q["paired_x"] if q else None,
                     "context_end": r["context_end"],
                     "context_prefill_ms": r["prefill_ms"],
                     "prefill_tokens": prefill or None,

@@ -112,6 +112,49 @@ def test_decode_rounds_are_interleaved_over_caches_filled_once():
         assert row["repeats"] == 2 and row["context_end"] == 16 and row["decode_tok_s"] > 0
 
 
+def test_paired_decode_runs_the_reference_before_each_cache_at_the_same_context(monkeypatch):
+    from kvquant.eval import speed
+
+    model = tiny_model("llama")
+    order = []
+
+    class Recording(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx == 0:
+                order.append((self.name, self.get_seq_length()))
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def build(name):
+        def make():
+            cache = Recording(config=model.config)
+            cache.name = name
+            return cache
+
+        return make
+
+    # each timed round: the reference 1 s per step, "a" 0.5 s, "b" 2 s (a fake clock)
+    per_step = {"ref": 1.0, "a": 0.5, "b": 2.0}
+    real = speed._timed_decode
+
+    def timed(model, cache, nxt, steps, device):
+        nxt, _ = real(model, cache, nxt, steps, device)
+        return nxt, per_step[cache.name] * steps
+
+    monkeypatch.setattr(speed, "_timed_decode", timed)
+    ids = torch.randint(0, model.config.vocab_size, (1, 10))
+    builds = {"ref": build("ref"), "a": build("a"), "b": build("b")}
+    rows = speed.measure_decode(model, builds, ids, decode_tokens=2, warmup=1, repeats=2, paired_with="ref")
+    decode = order[3:]  # after the three prefills
+    assert [n for n, _ in decode] == (["ref"] * 2 + ["a"] * 2 + ["ref"] * 2 + ["b"] * 2) * 3
+    for r in range(3):  # the reference starts each paired run at the round's context
+        round_ = decode[8 * r : 8 * r + 8]
+        assert round_[0][1] == round_[2][1] == round_[4][1] == round_[6][1] == 10 + 2 * r
+    assert rows["a"]["paired_x"] == pytest.approx(2.0) and rows["b"]["paired_x"] == pytest.approx(0.5)
+    assert rows["ref"]["paired_x"] == 1.0 and rows["ref"]["context_end"] == 16
+    with pytest.raises(ValueError, match="paired_with: 'nope'"):
+        speed.measure_decode(model, builds, ids, decode_tokens=1, warmup=0, repeats=1, paired_with="nope")
+
+
 def test_preset_backends_follow_the_device_and_the_segments():
     cfg = KVQuantConfig.resolve("int4")
     assert preset_backends(cfg, 2, 64, "cuda")["decode"] == "triton"  # described, not run: no GPU needed
