@@ -140,7 +140,8 @@ def measure_decode(
     ``paired_x`` is the ratio of the median rounds.
 
     Returns ``name -> {context, batch, prefill_ms, decode_ms_per_step, decode_tok_s, repeats,
-    context_end}`` (``context_end``: the context after the last round), plus ``paired_x``.
+    context_end}`` (``context_end``: the context after the last round), plus ``paired_x`` and
+    ``paired_rounds`` (the per-round ratios; empty for the reference or unpaired).
     """
     device = next(model.parameters()).device
     ids = ids.to(device)
@@ -181,6 +182,7 @@ def measure_decode(
             paired = ratios.get(name) if ref_name is not None else None
             # unpaired (alone, or a reference that cannot crop): the ratio of the median rounds
             row["paired_x"] = statistics.median(paired) if paired else row["decode_tok_s"] / ref_tok_s
+            row["paired_rounds"] = list(paired or ())
     return rows
 
 

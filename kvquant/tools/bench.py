@@ -248,8 +248,9 @@ def bench_cpu(
     ``bench_cpu.json`` (meta + rows) and ``bench_cpu.md``.
 
     Returns one row per (context, contender), by context: ``context, cache, backend, tokens_per_s,
-    vs_dynamic, vs_quanto_int4, context_prefill_ms`` (the decode run's own prefill of ``context``
-    tokens), ``prefill_tokens, prefill_ms, prefill_vs_dynamic`` (the prefill column; None when skipped).
+    vs_dynamic, vs_dynamic_rounds`` (each round's ratio), ``vs_quanto_int4, context_prefill_ms``
+    (the decode run's own prefill of ``context`` tokens), ``prefill_tokens, prefill_ms,
+    prefill_vs_dynamic`` (the prefill column; None when skipped).
     Bad settings or an unknown preset raise ``ValueError`` before the model loads.
     """
     from kvquant.eval.speed import measure_decode, measure_speed, prompt_tokens, with_ratios
@@ -304,6 +305,7 @@ def bench_cpu(
                     "backend": backend.get(label, ""),
                     "tokens_per_s": r["decode_tok_s"],
                     "vs_dynamic": r["paired_x"],
+                    "vs_dynamic_rounds": r["paired_rounds"],  # the spread behind the median
                     "vs_quanto_int4": r["paired_x"] / q["paired_x"] if q else None,
                     "context_end": r["context_end"],
                     "context_prefill_ms": r["prefill_ms"],

@@ -77,6 +77,9 @@ def test_no_prefill_column_and_no_dequant_drop_their_parts_and_decode_continues_
     assert not any("(dequant)" in r["cache"] for r in rows)
     assert all(r["prefill_ms"] is None and r["prefill_vs_dynamic"] is None for r in rows)
     assert all(r["context_end"] == 24 + (1 + 2) * 3 for r in rows)  # one prefill, three rounds on it
+    fused = next(r for r in rows if r["cache"] == "kvquant int8 (fused)")
+    assert len(fused["vs_dynamic_rounds"]) == 2  # each timed round against the DynamicCache run before it
+    assert fused["vs_dynamic"] == pytest.approx(sum(fused["vs_dynamic_rounds"]) / 2)  # (the median of two)
 
 
 def test_decode_rounds_are_interleaved_over_caches_filled_once():
@@ -150,7 +153,9 @@ def test_paired_decode_runs_the_reference_before_each_cache_at_the_same_context(
         round_ = decode[8 * r : 8 * r + 8]
         assert round_[0][1] == round_[2][1] == round_[4][1] == round_[6][1] == 10 + 2 * r
     assert rows["a"]["paired_x"] == pytest.approx(2.0) and rows["b"]["paired_x"] == pytest.approx(0.5)
-    assert rows["ref"]["paired_x"] == 1.0 and rows["ref"]["context_end"] == 16
+    assert rows["a"]["paired_rounds"] == pytest.approx([2.0, 2.0])  # the two timed rounds
+    assert rows["ref"]["paired_x"] == 1.0 and rows["ref"]["paired_rounds"] == []
+    assert rows["ref"]["context_end"] == 16
     with pytest.raises(ValueError, match="paired_with: 'nope'"):
         speed.measure_decode(model, builds, ids, decode_tokens=1, warmup=0, repeats=1, paired_with="nope")
 
