@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvquant.cache import KVQuantCache
 from kvquant.config import KVQuantConfig, preset_names
 from kvquant.kernels.cpu import native_available
 from kvquant.models import tiny_model
@@ -158,6 +159,22 @@ def test_paired_decode_runs_the_reference_before_each_cache_at_the_same_context(
     assert rows["ref"]["context_end"] == 16
     with pytest.raises(ValueError, match="paired_with: 'nope'"):
         speed.measure_decode(model, builds, ids, decode_tokens=1, warmup=0, repeats=1, paired_with="nope")
+
+
+def test_a_sliding_window_reference_is_not_cropped_and_its_ratio_is_of_the_median_rounds():
+    from kvquant.eval.speed import measure_decode
+
+    model = tiny_model("gemma3")  # sliding_window 8: past it, transformers' crop cannot restore
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    builds = {
+        "ref": lambda: DynamicCache(config=model.config),
+        "int8": lambda: KVQuantCache(model.config, "int8"),
+    }
+    rows = measure_decode(model, builds, ids, decode_tokens=2, warmup=0, repeats=2, paired_with="ref")
+    assert rows["ref"]["context_end"] == rows["int8"]["context_end"] == 16  # each ran its own 2 rounds
+    assert rows["int8"]["paired_rounds"] == []
+    want = rows["int8"]["decode_tok_s"] / rows["ref"]["decode_tok_s"]
+    assert rows["int8"]["paired_x"] == pytest.approx(want)
 
 
 def test_preset_backends_follow_the_device_and_the_segments():
