@@ -187,8 +187,8 @@ def measure_decode(
 
 
 def _croppable(cache: Any) -> bool:
-    """Whether ``cache`` takes ``crop(-n)`` at any length: not a sliding-window layer (past its
-    window, transformers' drops what a crop would restore)."""
+    """Whether ``cache`` takes ``crop(-n)`` at any length: it has no sliding-window layer (one past
+    its window has dropped the positions a crop would have to bring back, and refuses)."""
     layers = getattr(cache, "layers", None)
     return callable(getattr(cache, "crop", None)) and not any(
         getattr(layer, "is_sliding", False) for layer in layers or ()
