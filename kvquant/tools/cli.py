@@ -273,7 +273,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--presets", type=flag_type(list[str]), default=["all"], help="comma-separated, or all (default)"
     )
     p.add_argument("--steps", type=int_at_least(1), default=16, help="decode steps per timed round")
-    p.add_argument("--repeats", type=int_at_least(1), default=5, help="timed rounds (median)")
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=5,
+        help="timed rounds (median; cpu: each against a DynamicCache run just before it)",
+    )
     p.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed runs first")
     p.add_argument(
         "--prefill",
