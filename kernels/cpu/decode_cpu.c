@@ -1244,8 +1244,9 @@ static void *run_job(void *arg) {
  * rot_scale > 0 (1 / sqrt(D & -D): see fwht_row): the stores hold Hadamard-rotated vectors (the key
  * transform's rotation) and q, the fp tokens and out are in the model's space: q and the fp tokens
  * are rotated in (fwht_row), out rotated back; 0: no rotation.
- * n_threads > 1 splits the main slice into that many ranges (split-KV, one thread each, OpenMP),
- * merged by log-sum-exp. Returns 0, or -1 when out of memory. */
+ * n_threads > 1 splits the main slice into that many ranges (split-KV, one thread each, OpenMP;
+ * the first range shorter by the fp and other-segment tokens its thread reads too), merged by
+ * log-sum-exp. Returns 0, or -1 when out of memory. */
 int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                const kvq_operand *k, const kvq_operand *v, const int64_t *start, int64_t T,
                float scaling, float softcap, float *out, float *lse, int n_threads,
@@ -1256,15 +1257,29 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
     if (n_threads > 64) n_threads = 64;
     int64_t lo = T;
     for (int64_t b = 0; b < B; b++) lo = start[b] < lo ? (start[b] < 0 ? 0 : start[b]) : lo;
-    const int64_t per = ((T - lo + n_threads - 1) / n_threads + 15) / 16 * 16;
+    /* the first thread also reads the fp tokens and the other segments: it takes that many fewer
+     * tokens of the main slice (ranges of whole 16-token blocks) */
+    int64_t first_extra = n_threads > 1 ? n_fp : 0;
+    for (int64_t x = 0; x < n_x && n_threads > 1; x++) {
+        int64_t s0 = xend[x];
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t sb = xstart[x * B + b] < 0 ? 0 : xstart[x * B + b];
+            s0 = sb < s0 ? sb : s0;
+        }
+        first_extra += xend[x] - s0;
+    }
+    const int64_t per = ((T - lo + first_extra + n_threads - 1) / n_threads + 15) / 16 * 16;
+    const int64_t first = (per - first_extra) / 16 * 16 > 0 ? (per - first_extra) / 16 * 16 : 0;
     const int64_t n_part = B * Hkv * G;
     kvq_job jobs[64];
     int rc = 0;
     for (int w = 0; w < n_threads; w++) {
         kvq_job *j = &jobs[w];
         j->q = q; j->B = B; j->Hkv = Hkv; j->G = G; j->D = D; j->k = k; j->v = v; j->start = start;
-        j->r0 = lo + w * per < T ? lo + w * per : T;
-        j->r1 = lo + (w + 1) * per < T ? lo + (w + 1) * per : T;
+        const int64_t r0 = w == 0 ? lo : lo + first + (w - 1) * per;
+        const int64_t r1 = w == n_threads - 1 ? T : lo + first + w * per;
+        j->r0 = r0 < T ? r0 : T;
+        j->r1 = r1 < T ? r1 : T;
         j->scaling = scaling; j->softcap = softcap;
         j->status = 0;
         j->fp_k = w == 0 && n_fp > 0 ? fp_k : NULL;
