@@ -1235,6 +1235,16 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
+/* The earliest of the rows' first tokens start[0..B) (negative: 0), at most `end`. */
+static int64_t first_start(const int64_t *start, int64_t B, int64_t end) {
+    int64_t lo = end;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t s = start[b] < 0 ? 0 : start[b];
+        lo = s < lo ? s : lo;
+    }
+    return lo;
+}
+
 /* q [B, Hkv, G, D] fp32 contiguous; start [B]: first token of each row in the slice; T: slice length.
  * Writes out [B, Hkv, G, D] and lse [B, Hkv, G] (natural log; -inf and zeros for an empty row).
  * softcap <= 0: none. fp_k / fp_v (bits 32, float rows, n_fp tokens; NULL when n_fp is 0): full-
@@ -1255,21 +1265,13 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                int64_t n_x, float rot_scale) {
     if (n_threads < 1) n_threads = 1;
     if (n_threads > 64) n_threads = 64;
-    int64_t lo = T;
-    for (int64_t b = 0; b < B; b++) lo = start[b] < lo ? (start[b] < 0 ? 0 : start[b]) : lo;
+    const int64_t lo = first_start(start, B, T);
     /* the first thread also reads the fp tokens and the other segments: it takes that many fewer
-     * tokens of the main slice (ranges of whole 16-token blocks) */
-    int64_t first_extra = n_threads > 1 ? n_fp : 0;
-    for (int64_t x = 0; x < n_x && n_threads > 1; x++) {
-        int64_t s0 = xend[x];
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t sb = xstart[x * B + b] < 0 ? 0 : xstart[x * B + b];
-            s0 = sb < s0 ? sb : s0;
-        }
-        first_extra += xend[x] - s0;
-    }
+     * tokens of the main slice (ranges of whole 16-token blocks; one thread: the whole slice) */
+    int64_t first_extra = n_fp;
+    for (int64_t x = 0; x < n_x; x++) first_extra += xend[x] - first_start(xstart + x * B, B, xend[x]);
     const int64_t per = ((T - lo + first_extra + n_threads - 1) / n_threads + 15) / 16 * 16;
-    const int64_t first = (per - first_extra) / 16 * 16 > 0 ? (per - first_extra) / 16 * 16 : 0;
+    const int64_t first = per > first_extra ? (per - first_extra) / 16 * 16 : 0;
     const int64_t n_part = B * Hkv * G;
     kvq_job jobs[64];
     int rc = 0;
