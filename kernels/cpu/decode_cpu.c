@@ -88,6 +88,10 @@ static void unpack_row(const uint8_t *restrict c, int bits, int D, uint8_t *rest
         const int w = D / 4;
         for (int k = 0; k < 4; k++)
             for (int j = 0; j < w; j++) idx[j + k * w] = (c[j] >> (2 * k)) & 3;
+    } else if (bits == 1) { /* channel j + k D/8: bit k of byte j */
+        const int w = D / 8;
+        for (int k = 0; k < 8; k++)
+            for (int j = 0; j < w; j++) idx[j + k * w] = (c[j] >> k) & 1;
     } else { /* 3: an int2 plane (D/4 bytes), then the high bits eight per byte (D/8 bytes) */
         const int w = D / 4, w1 = D / 8;
         for (int k = 0; k < 4; k++)
@@ -563,26 +567,30 @@ static inline void unpack_row_sse(const uint8_t *restrict c, int bits, int D, ui
 /* Trellis rows without gathers: on AVX2 machines a gather of 8 costs about as much as 8 scalar loads
  * with their index arithmetic, and the states are cheaper formed 16 at a time. Each channel's state
  * (its code and the m-1 before it; bits * m <= 16) is formed for a whole row with byte or 16-bit
- * lane shifts of the unpacked codes, then the levels are read by scalar loads, 8 per vector. 2-bit
- * codes with 8-bit states (tcq2) read two channels per load from a table of level pairs. */
+ * lane shifts of the unpacked codes, then the levels are read by scalar loads, 8 per vector. Codes
+ * with 8-bit states (tcq2, tcq1) read two channels per load from a table of level pairs. */
 
-/* The level pairs of a 2-bit, 4-code trellis table (NULL for any other code): entry i = (state_d >> 6)
- * | state_{d+1} << 2 (the 10 distinct bits of two neighbouring states) holds (level of d, level of
- * d+1). 1,024 x 8 bytes, built once per thread and table. */
+/* The level pairs of a trellis table with 8-bit states, 2-bit codes (tcq2) or 1-bit codes (tcq1)
+ * (NULL for any other code): entry i = (state_d >> (8 - k)) | state_{d+1} << k (the 8 + k distinct
+ * bits of two neighbouring states) holds (level of d, level of d+1). 2**(8 + k) x 8 bytes (8 KB,
+ * 4 KB), built once per thread, code size and table (one per code size: keys and values of a call
+ * may hold one each). */
 static const uint64_t *trellis_pairs(const kvq_operand *o) {
-    static __thread uint64_t pairs[1024];
-    static __thread float key[256];
-    static __thread int built;
-    if (o->bits != 2 || o->state_codes != 4 || !o->lut) return NULL;
-    if (built && memcmp(key, o->lut, sizeof key) == 0) return pairs;
-    memcpy(key, o->lut, sizeof key);
-    for (int i = 0; i < 1024; i++) {
-        const int next = i >> 2, cur = ((i & 3) << 6) | (next >> 2);
+    static __thread uint64_t pairs[2][1024];
+    static __thread float key[2][256];
+    static __thread int built[2];
+    const int k = o->bits;
+    if (!o->lut || k * o->state_codes != 8 || (k != 1 && k != 2)) return NULL;
+    uint64_t *pk = pairs[k - 1];
+    if (built[k - 1] && memcmp(key[k - 1], o->lut, sizeof key[0]) == 0) return pk;
+    memcpy(key[k - 1], o->lut, sizeof key[0]);
+    for (int i = 0; i < 1 << (8 + k); i++) {
+        const int next = i >> k, cur = ((i & ((1 << k) - 1)) << (8 - k)) | (next >> k);
         const float ab[2] = {o->lut[cur], o->lut[next]};
-        memcpy(&pairs[i], ab, sizeof pairs[i]);
+        memcpy(&pk[i], ab, sizeof pk[i]);
     }
-    built = 1;
-    return pairs;
+    built[k - 1] = 1;
+    return pk;
 }
 
 /* The level pairs of a 3-bit, 3-code trellis table (NULL for any other code): entry i = state_{d+1}
@@ -603,16 +611,18 @@ static const uint64_t *trellis_pairs3(const kvq_operand *o) {
     return pairs;
 }
 
-/* Levels of a 2-bit, 4-code trellis row from its 8-bit states st[0..D): two channels per load from
- * the pair table (trellis_pairs), times s[channel / gs] (s NULL: raw). */
-static inline void trellis_pair_levels(const uint8_t *st, int D, const uint64_t *pairs, const float *s, int gs,
-                                       float *out) {
-    for (int c = 0; c < D; c += 8) { /* 4 pairs: the 10 bits from bit 6 of each 16 */
+/* Levels of a trellis row of k-bit codes (2 or 1) from its 8-bit states st[0..D): two channels per
+ * load from the pair table (trellis_pairs), times s[channel / gs] (s NULL: raw). */
+static inline void trellis_pair_levels(const uint8_t *st, int D, int k, const uint64_t *pairs, const float *s,
+                                       int gs, float *out) {
+    const int sh = 8 - k;
+    const uint64_t mask = (1u << (8 + k)) - 1;
+    for (int c = 0; c < D; c += 8) { /* 4 pairs: the 8 + k bits from bit 8 - k of each 16 */
         uint64_t u;
         memcpy(&u, st + c, 8);
         __m256 x = _mm256_castsi256_ps(_mm256_setr_epi64x(
-            (long long)pairs[(u >> 6) & 1023], (long long)pairs[(u >> 22) & 1023],
-            (long long)pairs[(u >> 38) & 1023], (long long)pairs[u >> 54]));
+            (long long)pairs[(u >> sh) & mask], (long long)pairs[(u >> (sh + 16)) & mask],
+            (long long)pairs[(u >> (sh + 32)) & mask], (long long)pairs[(u >> (sh + 48)) & mask]));
         if (s) x = _mm256_mul_ps(x, _mm256_set1_ps(s[c / gs]));
         _mm256_storeu_ps(out + c, x);
     }
@@ -729,7 +739,7 @@ static void tcq3_pairs_packed(const uint8_t *row, const packed_layout *pk, uint3
  * raw levels). pairs: trellis_pairs of this table, or NULL. D % 8 == 0, D <= 512. */
 static void trellis_row8(const uint8_t *p, int k, int m, int D, const float *lut, const uint64_t *pairs,
                          const float *s, int gs, float *out) {
-    if (pairs) { /* 8-bit states, 16 per step (codes < 4 shifted by <= 6: no bit leaves its byte) */
+    if (pairs) { /* 8-bit states, 16 per step (codes < 2**k shifted by <= 8 - k: no bit leaves its byte) */
         uint8_t st[512 + 16];
         for (int c = 0; c < D; c += 16) {
             __m128i x = _mm_loadu_si128((const __m128i *)(p + c));
@@ -737,7 +747,7 @@ static void trellis_row8(const uint8_t *p, int k, int m, int D, const float *lut
                 x = _mm_or_si128(x, _mm_sll_epi16(_mm_loadu_si128((const __m128i *)(p + c - j)), _mm_cvtsi32_si128(j * k)));
             _mm_storeu_si128((__m128i *)(st + c), x);
         }
-        trellis_pair_levels(st, D, pairs, s, gs, out);
+        trellis_pair_levels(st, D, k, pairs, s, gs, out);
         return;
     }
     uint16_t st[512 + 16]; /* states of up to 16 bits, 16 per step */
@@ -783,7 +793,7 @@ static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
     for (int c = 0; c < pl->nc; c++) pl->grp[c] = 8 * c / pl->gs;
     pl->pairs = o->state_codes ? trellis_pairs(o) : NULL;
     pl->pairs3 = o->state_codes ? trellis_pairs3(o) : NULL;
-    pl->packed = D % 64 ? 0 : (pl->pairs ? 1 : (pl->pairs3 ? 2 : 0));
+    pl->packed = D % 64 ? 0 : (pl->pairs && o->bits == 2 ? 1 : (pl->pairs3 ? 2 : 0));
     if (pl->packed) plan_packed(o->bits, (int)D, &pl->pk);
 }
 
@@ -827,7 +837,7 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
         if (pl->packed == 1) { /* states from the packed bytes: no unpacked copy */
             uint8_t st[512];
             tcq2_states_packed(row, &pl->pk, st);
-            trellis_pair_levels(st, (int)D, pairs, s, gs, dst);
+            trellis_pair_levels(st, (int)D, 2, pairs, s, gs, dst);
             continue;
         }
         if (pl->packed == 2) {

@@ -117,6 +117,13 @@ static void pack_row(const uint8_t *restrict q, int bits, int64_t D, uint8_t *re
         const int64_t w = D / 4;
         for (int64_t j = 0; j < w; j++)
             c[j] = (uint8_t)(q[j] | (q[j + w] << 2) | (q[j + 2 * w] << 4) | (q[j + 3 * w] << 6));
+    } else if (bits == 1) { /* channel j + k D/8: bit k of byte j */
+        const int64_t w = D / 8;
+        for (int64_t j = 0; j < w; j++) {
+            uint8_t byte = 0;
+            for (int k = 0; k < 8; k++) byte |= (uint8_t)((q[j + k * w] & 1) << k);
+            c[j] = byte;
+        }
     } else { /* 3: int2 plane of the low bits, then the high bits eight per byte */
         const int64_t w = D / 4, w1 = D / 8;
         for (int64_t j = 0; j < w; j++)
@@ -432,11 +439,11 @@ int kvq_quantize_fp8(const float *x, int64_t B, int64_t H, int64_t n, int64_t D,
 #if defined(__AVX2__)
 #include <immintrin.h>
 
-/* One step of trellis_pass below for K = 4 or 8 codes per state and P % 8 == 0 predecessor groups,
+/* One step of trellis_pass below for K = 2, 4 or 8 codes per state and P % 8 == 0 predecessor groups,
  * 8 groups at a time, the same IEEE operations in the same order (so the same costs, the same
  * choices): the least of each group's K predecessors (strict <, in j order: ties to the first),
  * then next[p K + b] = best[p] + (y_t - table[p K + b])^2, the square rounded before the sum. K is a
- * constant in each instance (trellis_step_4 / _8): the j loop unrolls and the groups' compare chains
+ * constant in each instance (trellis_step_2 / _4 / _8): the j loop unrolls and the groups' compare chains
  * overlap. */
 __attribute__((optimize("fp-contract=off"), always_inline)) static inline void trellis_step_k(
     const float *restrict cost, float *restrict next, uint8_t *restrict back, const float *restrict table,
@@ -454,14 +461,22 @@ __attribute__((optimize("fp-contract=off"), always_inline)) static inline void t
         const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(fv), _mm256_extracti128_si256(fv, 1));
         _mm_storel_epi64((__m128i *)(back + p), _mm_packus_epi16(w, w)); /* the 8 choices as bytes */
         for (int i = 0; i < K; i++) { /* the K * 8 states of these 8 groups, 8 at a time */
+            const int g = 8 / K * i; /* lane l: state s0 + l of group p + g + l / K */
             const __m256i pick = K == 8 ? _mm256_set1_epi32(i)
-                                        : _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
+                               : K == 4 ? _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1)
+                                        : _mm256_setr_epi32(g, g, g + 1, g + 1, g + 2, g + 2, g + 3, g + 3);
             const __m256 bb = _mm256_permutevar8x32_ps(bv, pick);
-            const int s0 = (p + (K == 8 ? i : 2 * i)) * K;
+            const int s0 = (p + g) * K;
             const __m256 e = _mm256_sub_ps(y, _mm256_loadu_ps(table + s0));
             _mm256_storeu_ps(next + s0, _mm256_add_ps(bb, _mm256_mul_ps(e, e)));
         }
     }
+}
+
+__attribute__((optimize("fp-contract=off"))) static void trellis_step_2(const float *restrict cost, float *restrict next,
+                                                                       uint8_t *restrict back, const float *restrict table,
+                                                                       float yt, int P) {
+    trellis_step_k(cost, next, back, table, yt, 2, P);
 }
 
 __attribute__((optimize("fp-contract=off"))) static void trellis_step_4(const float *restrict cost, float *restrict next,
@@ -489,13 +504,14 @@ __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
         cost[s] = (history >= 0 && (s >> k) != history) ? INFINITY : sq;
     }
 #if defined(__AVX2__)
-    const int wide = (K == 4 || K == 8) && P % 8 == 0 && P <= 1024;
+    const int wide = (K == 2 || K == 4 || K == 8) && P % 8 == 0 && P <= 1024;
 #endif
     for (int64_t t = 1; t < d; t++) {
 #if defined(__AVX2__)
         if (wide) {
             if (K == 8) trellis_step_8(cost, next, back + t * P, table, y[t], P);
-            else trellis_step_4(cost, next, back + t * P, table, y[t], P);
+            else if (K == 4) trellis_step_4(cost, next, back + t * P, table, y[t], P);
+            else trellis_step_2(cost, next, back + t * P, table, y[t], P);
             float *tmp = cost;
             cost = next;
             next = tmp;

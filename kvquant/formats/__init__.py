@@ -18,8 +18,8 @@ Formats (:func:`format_spec` returns the object; its family class in :mod:`.fami
               levels alone shrink vectors, hence attention scores).
               Matched to head vectors made Gaussian-like by the Hadamard rotation (TurboQuant,
               KVQuant's nuq); codes packed like the integers of the same width.
-``tcq3`` / ``tcq2``  trellis codes (:mod:`kvquant.formats.trellis`): 3 / 2 bits per channel like
-              ``nuq3`` / ``nuq2``, but a channel's level is read from a table at the state formed by
+``tcq3`` / ``tcq2`` / ``tcq1``  trellis codes (:mod:`kvquant.formats.trellis`): 3 / 2 / 1 bits per
+              channel (``nuq3`` / ``nuq2`` / the sign), but a channel's level is read from a table at the state formed by
               its code and the codes of the channels before it (circularly); the codes of a head
               vector are picked together by the Viterbi algorithm, for the least squared error. One
               scale per group: the group's RMS for the search, then stretched so the group keeps

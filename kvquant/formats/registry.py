@@ -32,6 +32,7 @@ _SPECS: dict[str, FormatSpec] = {
         # qmax: the largest |table entry| (a test checks it against the tables)
         Trellis("tcq3", 3, TRELLIS_QMAX[3], torch.uint8),
         Trellis("tcq2", 2, TRELLIS_QMAX[2], torch.uint8),
+        Trellis("tcq1", 1, TRELLIS_QMAX[1], torch.uint8),
     )
 }
 FORMAT_NAMES = tuple(_SPECS)

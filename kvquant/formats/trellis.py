@@ -1,4 +1,4 @@
-"""Tail-biting bit-shift trellis codes (``tcq2`` / ``tcq3``): vector quantization of a head vector.
+"""Tail-biting bit-shift trellis codes (``tcq1`` / ``tcq2`` / ``tcq3``): vector quantization of a head vector.
 
 A scalar codebook (``nuq2``) picks each channel's level on its own. A trellis code spends the same
 ``k`` bits per channel but lets each channel's level depend on the ``m - 1`` previous channels'
@@ -13,13 +13,16 @@ normal vectors (what the Hadamard rotation makes head vectors look like), so the
 the Viterbi algorithm, the sequence of codes with the least squared error over the whole vector.
 
 On standard normal vectors of 64 channels the mean squared error per channel is about 0.078 for
-``tcq2`` (L = 8; the 2-bit Lloyd-Max scalar codebook: 0.1175; the rate-distortion bound: 0.0625)
-and 0.020 for ``tcq3`` (L = 9; Lloyd-Max 3-bit: 0.0345). Reading costs one table lookup per channel.
+``tcq2`` (L = 8; the 2-bit Lloyd-Max scalar codebook: 0.1175; the rate-distortion bound: 0.0625),
+0.020 for ``tcq3`` (L = 9; Lloyd-Max 3-bit: 0.0345; bound 0.0156) and 0.29 for ``tcq1`` (L = 8:
+a state spans 8 channels; 1-bit Lloyd-Max, the sign: 0.363; bound 0.25), the format that takes a
+cache below 2 bits. Reading costs one table lookup per channel.
 
 From 64 channels on, the encoder runs two Viterbi passes: one over the vector rotated by ``D / 2``
 channels (so the seam lies inside the path), which fixes the ``m - 1`` codes that wrap around, and
 one with those codes as the history before channel 0 and the required end (exactly optimal under
-that constraint); on 64 channels its error is within 0.5% of the exact circular optimum. Shorter
+that constraint); on 64 channels its total error is within ~0.3% (tcq3), ~0.7% (tcq2) and ~1.6%
+(tcq1: the closed pass is held to 7 codes) of the exact circular optimum. Shorter
 heads try every history (``2**(L - k)`` constrained passes) and get the exact optimum. This module
 is the spec, in torch; the C twin (``kvq_trellis_encode`` in ``kernels/cpu/decode_cpu.c``, the same
 codes) is a backend of ``kvquant.kernels.ops.encode``, which the cache's write path uses on CPU.
@@ -41,7 +44,7 @@ import torch
 from kvquant.formats.trellis_tables import TABLES
 
 # bits per channel -> state bits L (a multiple of the bits)
-TRELLIS_STATE_BITS = {2: 8, 3: 9}
+TRELLIS_STATE_BITS = {1: 8, 2: 8, 3: 9}
 _CHUNK = 2048  # vectors per Viterbi batch (back pointers: 8 * D * chunk * 2**(L-k) bytes)
 TWO_PASS_FROM = 64  # head sizes from which the two-pass search replaces trying every history
 

@@ -67,7 +67,7 @@ def _decode(k_fmt, v_fmt, *, d, t=77, b=2, hkv=3, g=3, k_group=None, v_group=Non
 # ------------------------------------------------------------------------------------ trellis decode
 
 
-@pytest.mark.parametrize("fmt", ["tcq2", "tcq3"])
+@pytest.mark.parametrize("fmt", ["tcq1", "tcq2", "tcq3"])
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 256])  # (tcq2 at D % 64 == 0: states from the packed bytes)
 def test_trellis_decode_matches_the_torch_twin(fmt, d):
     _decode(fmt, fmt, d=d, seed=d)
@@ -78,6 +78,8 @@ def test_trellis_decode_matches_the_torch_twin(fmt, d):
     ("k_fmt", "v_fmt"),
     [
         ("tcq3", "tcq2"),
+        ("tcq2", "tcq1"),
+        ("tcq1", "nuq4"),
         ("tcq2", "nuq4"),
         ("nuq3", "tcq3"),
         ("int4", "tcq2"),

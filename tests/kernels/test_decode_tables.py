@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 from kvquant.kernels.triton.decode_kernels import load_levels  # noqa: E402 - needs triton
 
-TABLE_FORMATS = ["int3", "nuq4", "nuq3", "nuq2", "tcq3", "tcq2"]
+TABLE_FORMATS = ["int3", "nuq4", "nuq3", "nuq2", "tcq3", "tcq2", "tcq1"]
 FP8_SCALES = torch.float8_e4m3fn
 MIN_SQNR_DB = 80.0
 LSE_ATOL = 1e-4

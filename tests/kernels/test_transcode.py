@@ -19,7 +19,7 @@ from kvquant.kernels.cpu import native_available
 needs_c = pytest.mark.skipif(not native_available(), reason="C kernels not built")
 
 SOURCES = ["nuq4", "int4", "int8", "fp8_e4m3"]
-TARGETS = ["nuq3", "nuq2", "tcq2", "tcq3", "int4", "int2", "fp8_e4m3", "nuq4"]
+TARGETS = ["nuq3", "nuq2", "tcq2", "tcq3", "tcq1", "int4", "int2", "fp8_e4m3", "nuq4"]
 
 
 def _source(fmt, b, h, t, d, group, scale_dtype, seed=0):

@@ -23,7 +23,9 @@ def _err(codes, y, bits):
     return (trellis_decode(codes, bits) - y.float()).square().sum(-1)  # [N]
 
 
-@pytest.mark.parametrize(("bits", "d", "n"), [(2, 8, 3), (3, 8, 2), (2, 64, 3), (3, 128, 2)])
+@pytest.mark.parametrize(
+    ("bits", "d", "n"), [(2, 8, 3), (3, 8, 2), (1, 16, 2), (2, 64, 3), (3, 128, 2), (1, 64, 2)]
+)
 def test_codes_equal_the_torch_search(bits, d, n, device):
     torch.manual_seed(bits * d)
     y = torch.randn(n, d, device=device) * 1.3
@@ -70,7 +72,7 @@ def test_the_backend_says_what_it_searches():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [1, 2, 3])
 @pytest.mark.parametrize("d", [32, 128])
 def test_gpu_equal_error(bits, d):
     torch.manual_seed(d)

@@ -1,4 +1,4 @@
-"""Trellis codes (tcq2 / tcq3): the Viterbi search is exact, the codes decode as the spec says, the
+"""Trellis codes (tcq1 / tcq2 / tcq3): the Viterbi search is exact, the codes decode as the spec says, the
 error is what vector quantization promises on Gaussian heads, and bad input gets one clear message."""
 
 import itertools
@@ -20,7 +20,7 @@ from kvquant.formats.trellis import (
 from kvquant.formats.trellis_tables import TABLES
 
 # mean squared error per channel of the Lloyd-Max scalar codebook on a standard normal
-LLOYD_MAX_MSE = {2: 0.1175, 3: 0.03454}
+LLOYD_MAX_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454}
 
 
 def _all_codes(bits: int, d: int) -> torch.Tensor:
@@ -43,10 +43,10 @@ def test_states_are_the_circular_words_of_the_codes():
     assert torch.equal(trellis_decode(codes, 2), trellis_table(2)[states])
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [1, 2, 3])
 def test_viterbi_with_history_is_the_exact_optimum(bits):
     """Against brute force over every code sequence whose wrapped-around codes equal the history."""
-    d = 5 if bits == 2 else 4
+    d = {1: 9, 2: 5, 3: 4}[bits]  # (2**(bits * d) sequences)
     m = TRELLIS_STATE_BITS[bits] // bits
     every = _all_codes(bits, d)  # [C, d]
     history = torch.zeros(every.shape[0], dtype=torch.long)  # the last m-1 codes, newest lowest
@@ -67,10 +67,10 @@ def test_viterbi_with_history_is_the_exact_optimum(bits):
         assert torch.equal(trellis_states(codes, bits), states[i])  # a closed circle of states
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [1, 2, 3])
 def test_encoder_finds_the_best_circle_on_short_heads(bits):
     """Below 64 channels every history is tried: the best of all circular code sequences."""
-    d = 6 if bits == 2 else 4
+    d = {1: 10, 2: 6, 3: 4}[bits]
     decoded = trellis_decode(_all_codes(bits, d), bits)
     y = torch.randn(20, d, generator=torch.Generator().manual_seed(7))
     best = torch.stack([(decoded - row).pow(2).sum(1).min() for row in y])
@@ -78,9 +78,11 @@ def test_encoder_finds_the_best_circle_on_short_heads(bits):
     assert torch.allclose(got, best, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-def test_two_pass_encoder_is_within_one_percent_of_the_best_circle(bits):
-    """From 64 channels on, two passes stand in for the 64 constrained ones of the exact search."""
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_two_pass_encoder_is_near_the_best_circle(bits):
+    """From 64 channels on, two passes stand in for the 2**(L - k) constrained ones of the exact
+    search. The second pass is closed on the m - 1 codes the first fixed at the seam: the more codes
+    a state spans (tcq1: 7), the more that can cost (total error within 2% for tcq1, 1% otherwise)."""
     table = trellis_table(bits)
     y = torch.randn(100, 64, generator=torch.Generator().manual_seed(8))
     n_hist = table.numel() >> bits
@@ -96,10 +98,10 @@ def test_two_pass_encoder_is_within_one_percent_of_the_best_circle(bits):
     )
     got = (trellis_decode(trellis_encode(y, bits), bits) - y).pow(2).sum(1)
     assert bool((got >= exact - 1e-4).all())
-    assert got.sum() <= 1.01 * exact.sum()
+    assert got.sum() <= (1.02 if bits == 1 else 1.01) * exact.sum()
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [1, 2, 3])
 @pytest.mark.parametrize(("n", "d"), [(1, 64), (37, 64), (5, 128), (9, 16), (3, 4), (300, 64)])
 def test_c_encoder_gives_the_codes_of_its_torch_twin(bits, n, d):
     """The C encoder (CPU) against the torch twin, with the shipped table and with another one
@@ -110,6 +112,10 @@ def test_c_encoder_gives_the_codes_of_its_torch_twin(bits, n, d):
         pytest.skip("no C compiler: the torch twin is the only encoder")
     gen = torch.Generator().manual_seed(n * d + bits)
     y = torch.randn(n, d, generator=gen)
+    if d < TRELLIS_STATE_BITS[bits] // bits:  # shorter than one state: refused before any search
+        with pytest.raises(ValueError, match="head_dim: trellis codes"):
+            trellis_encode(y, bits)
+        return
     y[0, : d // 2] = y[0, d // 2 :]  # a vector that repeats: equal costs along the circle
     other = torch.randn(2 ** TRELLIS_STATE_BITS[bits], generator=gen)
     for table in (trellis_table(bits), other):
@@ -119,21 +125,24 @@ def test_c_encoder_gives_the_codes_of_its_torch_twin(bits, n, d):
     assert torch.equal(trellis_encode(y, bits), trellis_encode_torch(y, bits, trellis_table(bits)))
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [1, 2, 3])
 def test_distortion_on_gaussian_heads_beats_the_best_scalar_codebook(bits):
-    """Rotated head vectors are near Gaussian; there the trellis must beat the Lloyd-Max levels (the
-    best a scalar codebook can do at these bits) by at least 25% in squared error, scales included."""
+    """Rotated head vectors are near Gaussian; there the trellis must come within 30% of the
+    rate-distortion bound of a standard normal source (2**(-2 bits) per channel), scales included,
+    and so beat the Lloyd-Max levels (the best a scalar codebook can do at these bits) by >= 10%."""
     x = torch.randn(1, 4, 512, 64, generator=torch.Generator().manual_seed(0))
     fmt = f"tcq{bits}"
     q = quantize(x, fmt)
     mse = (dequantize(q, fmt, head_dim=64) - x).pow(2).mean().item()
-    assert mse < 0.75 * LLOYD_MAX_MSE[bits]
-    nuq = f"nuq{bits}"
-    assert mse < 0.8 * (dequantize(quantize(x, nuq), nuq, head_dim=64) - x).pow(2).mean().item()
+    assert mse < 1.3 * 2.0 ** (-2 * bits)
+    assert mse < 0.9 * LLOYD_MAX_MSE[bits]
+    if bits > 1:  # (no 1-bit codebook format)
+        nuq = f"nuq{bits}"
+        assert mse < 0.8 * (dequantize(quantize(x, nuq), nuq, head_dim=64) - x).pow(2).mean().item()
     assert lloyd_max_levels(bits).numel() == 2**bits
 
 
-@pytest.mark.parametrize("fmt", ["tcq2", "tcq3"])
+@pytest.mark.parametrize("fmt", ["tcq1", "tcq2", "tcq3"])
 @pytest.mark.parametrize("group", [None, 16, 32])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float8_e4m3fn, torch.float32])
 def test_codes_and_scales_decode_as_specified_and_keep_group_norms(fmt, group, scale_dtype):
@@ -153,7 +162,7 @@ def test_codes_and_scales_decode_as_specified_and_keep_group_norms(fmt, group, s
     assert bool(((ratio - 1).abs() <= step / 2 + 1e-5).all())  # scale rounded to nearest
 
 
-@pytest.mark.parametrize("fmt", ["tcq2", "tcq3"])
+@pytest.mark.parametrize("fmt", ["tcq1", "tcq2", "tcq3"])
 def test_zeros_roundtrip_and_bad_input_raise_one_clear_message(fmt):
     zeros = torch.zeros(1, 2, 3, 16)
     q = quantize(zeros, fmt)
