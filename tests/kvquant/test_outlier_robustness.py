@@ -143,6 +143,7 @@ EMBEDDED_KL = {
     "tcq3v2-recent": 0.0151,
     "nuq2-recent": 0.0700,
     "tcq2-recent": 0.0424,
+    "tcq2v1-recent": 0.0989,  # 2026-12-03 (issue16 config, the same protocol)
     "nuq2": 0.152,
 }
 
