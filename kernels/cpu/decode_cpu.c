@@ -628,6 +628,61 @@ static inline void trellis_pair_levels(const uint8_t *st, int D, int k, const ui
     }
 }
 
+/* The level pairs of a 1-bit trellis table with 8-bit states (tcq1), indexed by a window of 9
+ * codes (NULL for any other code): entry w, bit j of w = the code of channel d - 7 + j, holds (level
+ * of d, level of d+1), whose states are the window's low 8 bits and its high 8 bits, each reversed
+ * (a state holds its own code in bit 0, the code j channels back in bit j). 512 x 8 bytes, built once
+ * per thread and table. */
+static const uint64_t *trellis_windows1(const kvq_operand *o) {
+    static __thread uint64_t pairs[512];
+    static __thread float key[256];
+    static __thread int built;
+    if (o->bits != 1 || o->state_codes != 8 || !o->lut) return NULL;
+    if (built && memcmp(key, o->lut, sizeof key) == 0) return pairs;
+    memcpy(key, o->lut, sizeof key);
+    for (int w = 0; w < 512; w++) {
+        int cur = 0, next = 0;
+        for (int j = 0; j < 8; j++) {
+            cur |= ((w >> (7 - j)) & 1) << j;
+            next |= ((w >> (8 - j)) & 1) << j;
+        }
+        const float ab[2] = {o->lut[cur], o->lut[next]};
+        memcpy(&pairs[w], ab, sizeof pairs[w]);
+    }
+    built = 1;
+    return pairs;
+}
+
+/* Levels of a packed 1-bit trellis row (D % 64 == 0; channel j + k D/8 is bit k of byte j) without
+ * unpacking it: the row becomes the bit string of its codes in channel order, D / 64 words, each
+ * word 8 movemasks of one 8-byte chunk shifted per plane; then every pair of channels (d, d+1) is one
+ * table load at the 9-bit window of codes d-7 .. d+1 (the word before wraps around: the code
+ * string is circular), times s[channel / gs] (s NULL: raw). */
+static void tcq1_levels_packed(const uint8_t *row, int D, const uint64_t *win, const float *s, int gs,
+                               float *out) {
+    const int w = D / 8, nq = D / 64;
+    uint64_t bits[8] = {0}; /* bit i of bits[q]: the code of channel 64 q + i */
+    for (int j = 0; j < w; j += 8) {
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(row + j));
+        for (int k = 0; k < 8; k++) { /* plane k of bytes j .. j + 7: channels j + k w .. + 7 */
+            const int c = j + k * w;
+            const uint64_t m = (uint64_t)(_mm_movemask_epi8(_mm_slli_epi16(x, 7 - k)) & 0xFF);
+            bits[c / 64] |= m << (c % 64);
+        }
+    }
+    for (int q = 0; q < nq; q++) {
+        const unsigned __int128 x = (unsigned __int128)bits[q] << 64 | bits[q ? q - 1 : nq - 1];
+        float *o = out + 64 * q;
+        for (int c = 0; c < 64; c += 8) { /* channel 64 q + i is bit 64 + i of x: window d at bit 57 + d */
+            __m256 v = _mm256_castsi256_ps(_mm256_setr_epi64x(
+                (long long)win[(uint64_t)(x >> (57 + c)) & 511], (long long)win[(uint64_t)(x >> (59 + c)) & 511],
+                (long long)win[(uint64_t)(x >> (61 + c)) & 511], (long long)win[(uint64_t)(x >> (63 + c)) & 511]));
+            if (s) v = _mm256_mul_ps(v, _mm256_set1_ps(s[(64 * q + c) / gs]));
+            _mm256_storeu_ps(o + c, v);
+        }
+    }
+}
+
 /* Where the codes of channels 16 i .. 16 i + 15 lie in a packed 2- or 3-bit row (D % 64 == 0): the
  * low two bits at byte lo_off[i], bit lo_sh[i]; 3-bit: the high bit at byte hi_off[i], bit hi_sh[i]
  * (hi_split: D == 64, channels 8 .. 15 of the vector one plane further, the same 8 bytes). */
@@ -774,7 +829,8 @@ typedef struct {
     __m256 lut_lo, lut_hi;
     const uint64_t *pairs; /* trellis_pairs, or NULL */
     const uint64_t *pairs3; /* trellis_pairs3 (packed == 2) */
-    int packed;            /* trellis states from the packed bytes: 1 tcq2, 2 tcq3 (D % 64 == 0), 0 no */
+    int packed;            /* trellis states from the packed bytes: 1 tcq2, 2 tcq3, 3 tcq1 (D % 64 == 0), 0 no */
+    const uint64_t *win1;  /* trellis_windows1 (packed == 3) */
     packed_layout pk;      /* where each vector of 16 codes lies (packed != 0) */
 } block8_plan;
 
@@ -793,8 +849,9 @@ static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
     for (int c = 0; c < pl->nc; c++) pl->grp[c] = 8 * c / pl->gs;
     pl->pairs = o->state_codes ? trellis_pairs(o) : NULL;
     pl->pairs3 = o->state_codes ? trellis_pairs3(o) : NULL;
-    pl->packed = D % 64 ? 0 : (pl->pairs && o->bits == 2 ? 1 : (pl->pairs3 ? 2 : 0));
-    if (pl->packed) plan_packed(o->bits, (int)D, &pl->pk);
+    pl->win1 = o->state_codes && D % 64 == 0 ? trellis_windows1(o) : NULL;
+    pl->packed = D % 64 ? 0 : (pl->pairs && o->bits == 2 ? 1 : (pl->pairs3 ? 2 : (pl->win1 ? 3 : 0)));
+    if (pl->packed == 1 || pl->packed == 2) plan_packed(o->bits, (int)D, &pl->pk);
 }
 
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 8 channels per step: bytes -> 8 int32 codes (one
@@ -838,6 +895,10 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
             uint8_t st[512];
             tcq2_states_packed(row, &pl->pk, st);
             trellis_pair_levels(st, (int)D, 2, pairs, s, gs, dst);
+            continue;
+        }
+        if (pl->packed == 3) {
+            tcq1_levels_packed(row, (int)D, pl->win1, s, gs, dst);
             continue;
         }
         if (pl->packed == 2) {

@@ -68,7 +68,7 @@ def _decode(k_fmt, v_fmt, *, d, t=77, b=2, hkv=3, g=3, k_group=None, v_group=Non
 
 
 @pytest.mark.parametrize("fmt", ["tcq1", "tcq2", "tcq3"])
-@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])  # (tcq2 at D % 64 == 0: states from the packed bytes)
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])  # (D % 64 == 0: read from the packed bytes)
 def test_trellis_decode_matches_the_torch_twin(fmt, d):
     _decode(fmt, fmt, d=d, seed=d)
     _decode(fmt, fmt, d=d, k_group=d // 2, v_group=16, seed=d + 1)  # several scales per head
@@ -144,6 +144,9 @@ def test_ops_dispatch_names_cpu_for_trellis_decode():
 @pytest.mark.parametrize("d", [256, 512])
 def test_trellis_decode_on_wide_heads(d):
     _decode("tcq2", "tcq3", d=d, t=21, hkv=1, g=3, v_group=64, seed=d)  # 512: codes unpacked to bytes first
+    _decode(
+        "tcq1", "tcq1", d=d, t=21, hkv=1, g=3, k_group=64, seed=d + 1
+    )  # (the 1-bit bit string: D / 64 words)
 
 
 # ------------------------------------------------------------------------------------ quantize-and-append
