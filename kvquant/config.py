@@ -38,6 +38,7 @@ _OVERRIDABLE = (
     "smoothing",
     "sink_tokens",
     "residual_length",
+    "quantize_block",
     "recent_length",
     "recent_key_format",
     "recent_value_format",
@@ -77,6 +78,13 @@ class KVQuantConfig:
             (measured on SmolLM2: mean removal doubled the 2-bit value error), so they are left alone.
         sink_tokens: first tokens of each sequence kept in full precision.
         residual_length: most recent tokens kept in full precision before they are quantized.
+        quantize_block: tokens the full-precision tail hands on together (token axis): they leave it
+            once ``quantize_block`` of them have gathered past the ``residual_length`` newest, so a
+            decode step quantizes (and moves tokens through the recent window) only every
+            ``quantize_block`` steps, and the tail holds ``residual_length`` to ``residual_length +
+            quantize_block - 1`` tokens. Each token is still quantized on its own: the codes are those
+            of ``quantize_block=1``. The channel axis quantizes in blocks of ``key_group_size``
+            tokens already (must be 1 there).
         recent_length: the next most recent tokens (after the residual window) kept in the finer
             ``recent_key_format`` / ``recent_value_format`` (token axis, the same group sizes); a
             token leaving this window is re-quantized from its recent codes into the main formats.
@@ -105,6 +113,7 @@ class KVQuantConfig:
     smoothing: str = "none"
     sink_tokens: int = 0
     residual_length: int = 0
+    quantize_block: int = 1
     recent_length: int = 0
     recent_key_format: str = "nuq4"
     recent_value_format: str = "nuq4"
@@ -139,6 +148,15 @@ class KVQuantConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise _bad(f, v, "an integer >= 0")
+        q = self.quantize_block
+        if not isinstance(q, int) or isinstance(q, bool) or q < 1:
+            raise _bad("quantize_block", q, "an integer >= 1")
+        if q != 1 and self.key_axis == "channel":
+            raise _bad(
+                "quantize_block",
+                q,
+                "1 when key_axis is 'channel' (it quantizes key_group_size tokens at once)",
+            )
         for f in ("recent_key_format", "recent_value_format"):
             v = getattr(self, f)
             if v not in FORMAT_NAMES or v == "none":
@@ -176,6 +194,12 @@ class KVQuantConfig:
     @property
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
+
+    @property
+    def tail_block(self) -> int:
+        """Tokens that leave the full-precision tail together: ``key_group_size`` on the channel
+        axis, else ``quantize_block``."""
+        return self.key_group_size if self.key_axis == "channel" else self.quantize_block
 
     @property
     def is_passthrough(self) -> bool:

@@ -210,7 +210,7 @@ class _KVModel:
         """K + V elements of the positions held (what ``fp16_bytes`` counts), for effective bits."""
         total = 0
         for cfg, window, count in self.groups:
-            block = cfg.key_group_size if cfg.key_axis == "channel" else 1
+            block = cfg.tail_block
             store_end = max(tokens - cfg.residual_length, 0) // block * block
             begin = 0 if window is None else min(max(tokens - (window - 1), 0), store_end)
             held = store_end - begin + tokens - store_end
@@ -225,7 +225,7 @@ class _KVModel:
         """
         points: set[int] = set()
         for cfg, window, _ in self.groups:
-            block = cfg.key_group_size if cfg.key_axis == "channel" else 1
+            block = cfg.tail_block
             starts = [cfg.residual_length]
             if window is not None:
                 starts.append(window - 1)

@@ -83,7 +83,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.initial_capacity = max(1, initial_capacity)
         self.record_past = False
         self.return_view = False  # set by KVQuantCache when the model runs the `kvquant` attention
-        self.block = config.key_group_size if config.key_axis == "channel" else 1
+        self.block = config.tail_block  # tokens that leave the tail together
         self._clear()
 
     # ------------------------------------------------------------------------------------ state
@@ -452,7 +452,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.tail.crop(new_len)
         else:
             origin = self.main.origin
-            aligned = max(origin + (new_len - origin) // self.block * self.block, self.store_begin)
+            align = self.block if self.config.key_axis == "channel" else 1  # (token axis: per token)
+            aligned = max(origin + (new_len - origin) // align * align, self.store_begin)
             k, v = self.read(aligned, new_len)
             for tier in self.tiers:
                 tier.crop(aligned)
