@@ -55,7 +55,8 @@ class Leaving:
 
 class TailSegment:
     """The newest positions ``[begin, end)`` in full precision; keeps ``residual`` of them (and up to
-    ``block - 1`` more: the channel axis quantizes whole blocks of ``block`` tokens).
+    ``block - 1`` more: tokens leave in whole blocks, ``key_group_size`` on the channel axis, else
+    ``quantize_block``).
 
     The buffer holds them at rows ``[off, off + len)``: a decode step writes its token past the end
     and the oldest leave by advancing ``off`` (handed on as views, consumed within the append); the
