@@ -83,7 +83,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.initial_capacity = max(1, initial_capacity)
         self.record_past = False
         self.return_view = False  # set by KVQuantCache when the model runs the `kvquant` attention
-        self.block = config.tail_block  # tokens that leave the tail together
         self._clear()
 
     # ------------------------------------------------------------------------------------ state
@@ -96,7 +95,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.seq_len = 0  # positions seen (what get_seq_length reports)
         self.main: QuantizedSegment | None = None
         self.recent: QuantizedSegment | None = None
-        self.tail = TailSegment(cfg.residual_length, self.block)
+        self.tail = TailSegment(cfg.residual_length, cfg.tail_block)
         self.sinks = SinkSegment(cfg.sink_tokens) if cfg.sink_tokens else None
         self.transform = KeyTransform(cfg.rotation, cfg.smoothing, cfg.torch_scale_dtype, self.key_map)
         self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
@@ -452,8 +451,8 @@ class QuantizedKVLayer(CacheLayerMixin):
             self.tail.crop(new_len)
         else:
             origin = self.main.origin
-            align = self.block if self.config.key_axis == "channel" else 1  # (token axis: per token)
-            aligned = max(origin + (new_len - origin) // align * align, self.store_begin)
+            block = self.main.block  # tokens sharing a scale row (channel axis), else 1
+            aligned = max(origin + (new_len - origin) // block * block, self.store_begin)
             k, v = self.read(aligned, new_len)
             for tier in self.tiers:
                 tier.crop(aligned)
