@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kvquant.formats.rounding import round_nearest_positive, round_to_dtype, sqrt_rn
+from kvquant.formats.rounding import div_rn, round_nearest_positive, round_to_dtype, sqrt_rn
 from kvquant.formats.spec import Encoder, FormatSpec, TritonRead, check_finite
 from kvquant.formats.trellis import (
     TRELLIS_STATE_BITS,
@@ -56,7 +56,7 @@ class _AbsMaxScaled(FormatSpec):
 
     def encode_groups(self, x, xg, red, scale_dtype, encoder):
         amax = xg.abs().amax(dim=red, keepdim=True)
-        raw = amax / self.qmax
+        raw = div_rn(amax, self.qmax)
         scale = round_to_dtype(torch.where(raw == 0, torch.ones_like(raw), raw), scale_dtype, +1)
         check_finite(x, scale, scale_dtype=scale_dtype)
         return self.encode_units(xg / scale.float()), scale, None
@@ -104,7 +104,7 @@ class AsymmetricInt(FormatSpec):
         mn = xg.amin(dim=red, keepdim=True)
         mx = xg.amax(dim=red, keepdim=True)
         zero = round_to_dtype(mn, scale_dtype, -1)
-        raw = (mx - zero.float()) / self.qmax
+        raw = div_rn(mx - zero.float(), self.qmax)
         scale = round_to_dtype(torch.where(raw == 0, torch.ones_like(raw), raw), scale_dtype, +1)
         check_finite(x, scale, zero, scale_dtype=scale_dtype)
         return self.encode_units((xg - zero.float()) / scale.float()), scale, zero
@@ -189,7 +189,7 @@ class Codebook(FormatSpec):
         rms = torch.where(rms == 0, torch.ones_like(rms), rms)
         amax = xg.abs().amax(dim=red, keepdim=True)
         fit_max = torch.where(
-            amax == 0, torch.ones_like(amax), amax / self.qmax
+            amax == 0, torch.ones_like(amax), div_rn(amax, self.qmax)
         )  # largest |x| on the top level
         candidates = [rms * factor for factor in self.scale_search] + [fit_max]
         best_q = best_s = best_err = None

@@ -16,6 +16,20 @@ def _fp8_grid(dtype: torch.dtype) -> torch.Tensor:
     return _FP8_GRIDS[dtype]
 
 
+def div_rn(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device. PyTorch on CUDA divides by a Python scalar
+    as a multiplication by its reciprocal (one rounding more), which lands one ulp off for some
+    inputs (``3 / 7`` gives ``0.42857146``, not ``0.42857143``); a scale rounded up from that can
+    be one step too large and differ from the C and Triton kernels (``div_rn``). A tensor divisor
+    takes the IEEE division.
+
+    Example:
+        >>> div_rn(torch.tensor([3.0]), 7).item()  # the fp32 nearest to 3 / 7
+        0.4285714328289032
+    """
+    return x / torch.full_like(x, divisor)
+
+
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded square root of fp32 ``x`` (through fp64, exact for fp32 inputs), on every
     CPU: torch's own fp32 ``sqrt`` goes through the vector math library, which is 1 ulp off for a

@@ -298,3 +298,18 @@ def test_an_injected_encoder_searches_the_trellis_codes():
     want = quantize(x, "tcq3")
     assert calls == [((10, 64), 3)]
     assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.parametrize("divisor", [7.0, 127.0, 448.0, 57344.0, 15.0, 1.510418])
+def test_scale_division_is_correctly_rounded(divisor):
+    """``div_rn``, the division behind every ``max / qmax`` scale: the fp32 nearest to the exact
+    quotient on each device (CUDA divides by a Python scalar through its reciprocal, one ulp off for
+    quotients such as 3 / 7; the GPU quantize kernels divide correctly rounded)."""
+    from kvquant.formats.rounding import div_rn
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    x = torch.cat([torch.randn(4096) * 50, torch.arange(1, 4097, dtype=torch.float32) * divisor / 64])
+    d32 = float(torch.tensor(divisor, dtype=torch.float32))  # the divisor as the fp32 tensors hold it
+    want = (x.double() / d32).float()  # exact quotient, rounded once (fp64 holds it to > 2 * 24 + 2 bits)
+    for dev in devices:
+        assert torch.equal(div_rn(x.to(dev), divisor).cpu(), want)
