@@ -10,7 +10,9 @@ import torch
 
 from kvquant import KVQuantCache
 from kvquant.eval.decode import single_pass_logprobs
-from kvquant.integrations.lm_eval_model import KVQuantLM, continuation_logprob
+
+pytest.importorskip("lm_eval")  # the `lmeval` extra (set up by `make test`; absent on a bare GPU image)
+from kvquant.integrations.lm_eval_model import KVQuantLM, continuation_logprob  # noqa: E402
 
 TASKS = ["kvq_mc", "kvq_gen", "kvq_ppl"]
 
