@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-QUANTIZE_TOKENS = 4096  # tokens quantized per store; the rest of the context repeats them
+from kvquant.tools.kernel_stores import nbytes as _nbytes
+from kvquant.tools.kernel_stores import tiled_store as _store
 
 
 def triton_formats(head_dim: int = 128) -> list[str]:
@@ -77,34 +78,6 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = do_bench_cudagraph(lambda: dst.copy_(src), rep=100)
     return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def _nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-def _store(x: torch.Tensor, fmt: str, group: int, axis: str, scale_dtype=torch.float16):
-    """Quantize ``x[B, H, T, D]`` into TokenStore buffers (``kernels.ops``); returns (codes, scale, zero).
-
-    The first :data:`QUANTIZE_TOKENS` tokens are quantized and tiled up to ``T`` (see the module
-    docstring)."""
-    from kvquant.cache.store import TokenStore
-
-    b, h, t, d = x.shape
-    n = min(t, QUANTIZE_TOKENS)
-    s = TokenStore(fmt, group, axis, scale_dtype)
-    n -= n % s.block
-    s.allocate(b, h, d, n, x.dtype, x.device)
-    s.write(0, x[:, :, :n])
-    reps = -(-t // n)
-
-    def tile(buf, rows):  # [B, H, n_rows, W] -> [B, H, rows, W]
-        return (
-            None if buf is None else buf[:, :, : n // s.block].repeat(1, 1, reps, 1)[:, :, :rows].contiguous()
-        )
-
-    rows = t // s.block
-    return tile(s.codes, t), tile(s.scale, rows), tile(s.zero, rows)
 
 
 def _baselines(q, k, v, scaling):
