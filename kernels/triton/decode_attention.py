@@ -109,19 +109,33 @@ def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view(torch.uint8) if t is not None and t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
-def _block_t(d: int, k_mode: int, v_mode: int, k_axis: str, k_group: int) -> tuple[int, int]:
+def _block_t(
+    d: int, k_mode: int, v_mode: int, k_axis: str, k_group: int, block_t: int | None = None
+) -> tuple[int, int]:
     """Tokens per tile (a power of two >= 16) and the key mode (channel fold needs BT | G).
 
     Sized so that sm_90 builds (8 warps) do not spill: 64 tokens for head_dim <= 128 with folded
     scales, 32 for head_dim 256 or when a tile is dequantized to fp32 (mode 2, tf32x3 dots).
+    ``block_t`` overrides it.
     """
-    bt = 64 if d <= 128 and 2 not in (k_mode, v_mode) else 32
+    bt = block_t or (64 if d <= 128 and 2 not in (k_mode, v_mode) else 32)
+    if bt < 16 or not is_pow2(bt):
+        raise ValueError(f"block_t: a power of two >= 16, got {bt}")
     if k_axis == "channel" and k_mode == 1:
         while bt > 16 and k_group % bt:
             bt //= 2
         if k_group % bt:
             k_mode = 2  # odd / small blocks: dequantize with per-element scale rows instead
     return bt, k_mode
+
+
+def _num_stages(k_read, v_read) -> int | None:
+    """Software-pipelining stages: 1 where K or V is read through a table (codebooks, trellis codes),
+    else Triton's default (``None``). With Triton's default the table formats' kernels hold several
+    pipelined fp32 tiles in shared memory (one program per SM) and ran slower on an H200; one 3-bit
+    trellis build also gave wrong outputs there with the default and right ones with 1 stage. The
+    measurements are in the README (GPU section)."""
+    return 1 if k_read.lut or v_read.lut else None
 
 
 def default_num_splits(batch_heads: int, n_tiles: int, device: torch.device) -> int:
@@ -160,13 +174,17 @@ def quantized_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    block_t: int | None = None,
+    num_warps: int = 8,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-decoding over a quantized store (Triton); the contract of
     :func:`kvquant.kernels.reference.quantized_decode_attention_ref`.
 
     ``num_splits`` overrides the split count; ``out[B, Hq, D]`` / ``lse[B, Hq]`` (fp32) may be
     preallocated and are written in place. A ``head_dim`` that is not a power of two >= 16 falls
-    back to the reference (with a warning).
+    back to the reference (with a warning). Launch knobs: ``block_t`` tokens per tile (a power of two
+    >= 16; default :func:`_block_t`), ``num_warps``, ``num_stages`` (default :func:`_num_stages`).
     """
     check_attention(q, k_codes, v_codes, start, end, k_axis, k_group)
     b, hq, d = q.shape
@@ -211,7 +229,8 @@ def quantized_decode_attention(
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale), ("k_zero", k_zero), ("v_zero", v_zero)):
         if t is not None and t.dtype.itemsize == 1 and t.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}: 8-bit scales are float8_e4m3fn, not {t.dtype}")
-    bt, k_mode = _block_t(d, k_mode, v_mode, k_axis, kg)
+    bt, k_mode = _block_t(d, k_mode, v_mode, k_axis, kg, block_t)
+    stages = num_stages if num_stages is not None else _num_stages(k_read, v_read)
     if out is None:
         out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     if lse is None:
@@ -288,7 +307,8 @@ def quantized_decode_attention(
         Q_SPLIT=q.dtype != torch.float16,
         SOFTCAP=bool(softcap),
         F32_DOT="ieee" if INTERPRET else "tf32x3",
-        num_warps=8,
+        num_warps=num_warps,
+        **({} if stages is None else {"num_stages": stages}),
     )
     if s > 1:
         merge_splits_kernel[(b * hq,)](

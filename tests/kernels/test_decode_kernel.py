@@ -371,3 +371,29 @@ def test_gpu_full_grid(d, t, k_fmt, v_fmt, k_axis, k_group):
             softcap=softcap,
         )
         assert_close(*got)
+
+
+@pytest.mark.parametrize("block_t", [16, 32, 128])
+def test_block_t_override(block_t, device):
+    """Tiles of another size cover the same tokens: same result as the reference (the launch knob
+    the GPU sweep uses); a size the kernel cannot take is refused by name."""
+    q, k, v = _inputs(2, 2, 3, 150, 64, device, seed=block_t)
+    start = torch.tensor([0, 37], device=device)
+    kst, vst = _store(k, "int4", 32), _store(v, "fp8_e4m3", None)
+    kw = dict(k_fmt="int4", v_fmt="fp8_e4m3", k_group=32, v_group=None, k_axis="token", start=start, end=150,
+              scaling=0.125)  # fmt: skip
+    got = quantized_decode_attention(q, *kst, *vst, **kw, block_t=block_t, num_warps=4, num_stages=2)
+    assert_close(*got, *quantized_decode_attention_ref(q, *kst, *vst, **kw))
+    with pytest.raises(ValueError, match="block_t"):
+        quantized_decode_attention(q, *kst, *vst, **kw, block_t=24)
+
+
+def test_table_formats_build_without_pipelining():
+    """The GPU measurements behind ``_num_stages``: table formats (codebooks, trellis) launch with one
+    stage, formats read as plain codes keep Triton's default."""
+    from kvquant.kernels.triton.decode_attention import _num_stages
+
+    read = {f: format_spec(f).triton_read() for f in ("int4", "fp8_e4m3", "nuq4", "tcq3")}
+    assert _num_stages(read["int4"], read["fp8_e4m3"]) is None
+    assert _num_stages(read["nuq4"], read["int4"]) == 1
+    assert _num_stages(read["int4"], read["tcq3"]) == 1
