@@ -12,6 +12,8 @@ not the run; what it wrote stays and the next part runs):
    for DynamicCache and the presets int4, nuq4, fp8, tcq2-recent: prefill seconds, decode tokens/s
    (timed by a streamer between the first and the last new token), peak CUDA memory, cache bytes.
    Each contender first runs a short untimed generate (kernel compiles stay out of the numbers).
+   cuDNN's SDPA backend is switched off for this part (flash / memory-efficient SDPA remain): its
+   host time per decode step made the DynamicCache baseline host-bound.
 
 Budget (``--budget-s``, default 450 s, so the whole run stays under 8 minutes on one H200): compile
 test 60 s, test grid 150 s (4 pytest-xdist workers when xdist is installed: the grid's cost is
@@ -257,6 +259,11 @@ def run_generate(
 
     t0 = time.perf_counter()
     dev = torch.device(device)
+    if dev.type == "cuda":
+        # cuDNN's SDPA took ~7.6 ms of host time per decode call on an H200 with torch 2.11 (the key
+        # length changes every step) and made DynamicCache host-bound (profile in the README);
+        # flash / memory-efficient SDPA remain.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     shape = dict(TINY if tiny else FULL)
     shape.update({k: v for k, v in (("prompt", prompt), ("new_tokens", new_tokens)) if v})
     model = _model(tiny, dev, getattr(torch, shape["dtype"]))
@@ -265,7 +272,7 @@ def run_generate(
     ids = torch.randint(3, vocab - 1, (1, shape["prompt"]), generator=gen).to(dev)  # [1, T]
     keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     model_meta = {k: getattr(model.config, k, None) for k in keys}
-    meta = {"device": str(dev), "model": model_meta, **shape, "tiny": tiny}
+    meta = {"device": str(dev), "model": model_meta, **shape, "tiny": tiny, "cudnn_sdpa": False}
     contenders = {"DynamicCache": lambda: DynamicCache(config=model.config)}
     contenders |= {p: (lambda p=p: KVQuantCache(model.config, p)) for p in PRESETS}
     rows: list[dict] = []
