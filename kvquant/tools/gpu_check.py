@@ -1,13 +1,16 @@
 """``kvquant bench gpu-check`` (``make gpu-check``): the GPU check in one command.
 
-Three parts, each a subprocess with its own time limit (a part that hangs or crashes costs its limit,
+Four parts, each a subprocess with its own time limit (a part that hangs or crashes costs its limit,
 not the run; what it wrote stays and the next part runs):
 
 1. ``tests``: the ``gpu``-marked pytest grid (``pytest tests -m gpu``) and the sm_90 compile test
    (``tests/kernels/test_gpu_compile.py``): JUnit XML and a log each, pass / fail / skip counts;
 2. ``kernels``: :mod:`kvquant.tools.bench_kernels` on a short grid (batch 8; contexts 1k / 8k / 32k;
    32 query / 8 KV heads, head_dim 128; CUDA graphs) over every format the Triton backend reads;
-3. ``generate``: a Llama-shaped random model (8 layers, hidden 4096, 32 / 8 heads, head_dim 128,
+3. ``configs``: :mod:`kvquant.tools.sweep_kernels` at batch 8, 32k tokens over a few formats and
+   launch configs (:data:`CONFIG_FORMATS` x :data:`CONFIG_NAMES`): µs per call and each output
+   against the fp32 reference; a wrong output in the shipped (``default``) config fails the check;
+4. ``generate``: a Llama-shaped random model (8 layers, hidden 4096, 32 / 8 heads, head_dim 128,
    bf16) under the ``kvquant`` attention, ``model.generate`` of 64 new tokens after a 32k-token prompt
    for DynamicCache and the presets int4, nuq4, fp8, tcq2-recent: prefill seconds, decode tokens/s
    (timed by a streamer between the first and the last new token), peak CUDA memory, cache bytes.
@@ -17,14 +20,15 @@ not the run; what it wrote stays and the next part runs):
 
 Budget (``--budget-s``, default 450 s, so the whole run stays under 8 minutes on one H200): compile
 test 60 s, test grid 150 s (4 pytest-xdist workers when xdist is installed: the grid's cost is
-mostly Triton compiling on the CPU), kernels 110 s, generate 130 s, each cut to what is left. Over its
-limit a part is killed and reported ``timed out`` with whatever it had written (the kernel
-benchmark and the generate part write after every shape / contender; generate also skips the
-contenders it has no time left for, and says so).
+mostly Triton compiling on the CPU), kernels 100 s, configs 60 s, generate 130 s, each cut to what is
+left (the first H200 run took 329 s without the configs part). Over its limit a part is killed and
+reported ``timed out`` with whatever it had written (the kernel benchmark, the config sweep and the
+generate part write after every shape / format / contender; generate also skips the contenders it
+has no time left for, and says so).
 
 Writes into ``--out``: ``gpu_check.json`` (meta, one record per part), ``gpu_check.md`` (printed at
 the end), ``pytest/`` (JUnit + logs), ``kernel_bench/`` (``bench.json``, ``bench.md``),
-``generate.json``. Without CUDA it exits 2 (``no CUDA device``). ``--device cpu --tiny`` runs the
+``configs/`` (``sweep.json``, ``sweep.md``), ``generate.json``. Without CUDA it exits 2 (``no CUDA device``). ``--device cpu --tiny`` runs the
 generate part alone on a tiny model on CPU: the plumbing, for tests.
 
 Example::
@@ -50,7 +54,9 @@ from typing import Any
 import torch
 
 BUDGET_S = 450
-LIMITS = {"compile": 60, "grid": 150, "kernels": 110, "generate": 130}  # seconds per part
+LIMITS = {"compile": 60, "grid": 150, "kernels": 100, "configs": 60, "generate": 130}  # seconds per part
+CONFIG_FORMATS = ["int4", "fp8_e4m3", "nuq4", "tcq2", "tcq3"]
+CONFIG_NAMES = ["default", "1-stage", "bt32-w4"]
 PRESETS = ["int4", "nuq4", "fp8", "tcq2-recent"]
 LLAMA = dict(  # Llama-3-8B-shaped layers, fewer of them; transformers' default init (std 0.02)
     num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -200,7 +206,42 @@ def kernel_summary(rows: list[dict]) -> list[dict]:
     return list(by.values())
 
 
-# ------------------------------------------------------------------------------------------ part 3: generate
+# ------------------------------------------------------------------------------------------ part 3: configs
+
+
+def part_configs(out: Path, limit: float) -> dict[str, Any]:
+    folder = out / "configs"
+    folder.mkdir(exist_ok=True)
+    cmd = _python_m("kvquant.tools.sweep_kernels") + [
+        "--out", str(folder), "--formats", *CONFIG_FORMATS, "--configs", *CONFIG_NAMES,
+        "--budget-s", str(max(limit - 20, 1)),
+    ]  # fmt: skip
+    r = run_part(cmd, limit, out / "configs.log", cwd=out)
+    r["status"] = "timed out" if r["timed_out"] else ("done" if r["rc"] == 0 else f"failed (rc {r['rc']})")
+    data = json.loads((folder / "sweep.json").read_text()) if (folder / "sweep.json").is_file() else None
+    keys = ("fmt", "config", "us", "x_sdpa", "sqnr_db", "ok", "note")
+    r["rows"] = [{k: row.get(k) for k in keys} for row in (data["rows"] if data else [])]
+    return r
+
+
+def configs_markdown(part: dict) -> list[str]:
+    """Rows format x config: µs per call, and ``WRONG`` where the output missed the reference."""
+    rows = [r for r in part.get("rows", []) if r["fmt"] != "fp16"]
+    names = [c for c in CONFIG_NAMES if any(r["config"] == c for r in rows)]
+    lines = [f"| format | {' | '.join(names)} |", "|---|" + "---:|" * len(names)]
+    for fmt in dict.fromkeys(r["fmt"] for r in rows):
+        cells = []
+        for c in names:
+            r = next((r for r in rows if r["fmt"] == fmt and r["config"] == c), None)
+            if r is None or r.get("us") is None:
+                cells.append("" if r is None else (r.get("note") or "")[:40])
+            else:
+                cells.append(f"{r['us']:.0f} µs" + ("" if r.get("ok") else f" WRONG ({r['sqnr_db']:.0f} dB)"))
+        lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ part 4: generate
 
 
 class _Clock:
@@ -251,7 +292,7 @@ def run_generate(
     prompt: int | None = None,
     new_tokens: int | None = None,
 ) -> int:
-    """Part 3 (its own process): writes ``generate.json`` after every contender."""
+    """Part 4 (its own process): writes ``generate.json`` after every contender."""
     from transformers import DynamicCache
 
     from kvquant.cache import KVQuantCache
@@ -360,6 +401,10 @@ def to_markdown(report: dict) -> str:
                 lines.append(f"| {s['impl']} | " + " | ".join(cells) + " |")
     else:
         lines.append(k.get("status", "not run"))
+    c = parts.get("configs", {})
+    lines += ["", "## Launch configs (batch 8, 32k tokens; configs/sweep.md)", "", c.get("status", "not run")]
+    if c.get("rows"):
+        lines += [""] + configs_markdown(c)
     g = parts.get("generate", {})
     lines += ["", "## generate (Llama-shaped random model)", "", g.get("status", "not run")]
     if g.get("rows"):
@@ -392,7 +437,9 @@ def check(out: Path, device: str = "cuda", tiny: bool = False, budget: float = B
     """Run the parts (see the module docstring); write and return the report."""
     out = out.resolve()  # the parts run in other working directories
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("generate.json", "kernel_bench/bench.json", "kernel_bench/bench.md", "gpu_check.json"):
+    stale_files = ("generate.json", "kernel_bench/bench.json", "kernel_bench/bench.md", "configs/sweep.json",
+                   "configs/sweep.md", "gpu_check.json")  # fmt: skip
+    for stale in stale_files:
         (out / stale).unlink(missing_ok=True)  # an earlier run's results must not pass for this one's
     t0 = time.perf_counter()
 
@@ -408,9 +455,11 @@ def check(out: Path, device: str = "cuda", tiny: bool = False, budget: float = B
     if device == "cuda":
         parts["tests"] = part_tests(out, left)
         parts["kernels"] = part_kernels(out, left("kernels"))
+        parts["configs"] = part_configs(out, left("configs"))
     else:
         parts["tests"] = {"status": "skipped: needs CUDA"}
         parts["kernels"] = {"status": "skipped: needs CUDA"}
+        parts["configs"] = {"status": "skipped: needs CUDA"}
     cmd = _python_m("kvquant.tools.gpu_check") + ["--part", "generate", "--out", str(out), "--device", device]
     limit = left("generate")
     cmd += ["--budget-s", str(max(limit - 15, 1)), *gen_args] + (["--tiny"] if tiny else [])
@@ -438,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--new-tokens", type=int, default=None, help=f"generate: new tokens ({FULL['new_tokens']})"
     )
-    ap.add_argument("--part", choices=["generate"], help=argparse.SUPPRESS)  # the subprocess of part 3
+    ap.add_argument("--part", choices=["generate"], help=argparse.SUPPRESS)  # the subprocess of part 4
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("kvquant bench gpu-check: error: no CUDA device", file=sys.stderr)
@@ -461,8 +510,11 @@ def passed(report: dict) -> bool:
     """Every part that ran finished in time and without a failure (skipped parts do not count)."""
     parts = report["parts"]
     runs = [r for r in parts["tests"].values() if isinstance(r, dict)]
-    runs += [parts[p] for p in ("kernels", "generate") if "rc" in parts[p]]
+    runs += [parts[p] for p in ("kernels", "configs", "generate") if "rc" in parts.get(p, {})]
     rows_ok = all(r["status"] == "ok" for r in parts["generate"].get("rows", []))
+    rows_ok &= all(
+        r.get("ok") is not False for r in parts.get("configs", {}).get("rows", []) if r["config"] == "default"
+    )
     return (
         rows_ok
         and bool(parts["generate"].get("rows"))

@@ -132,3 +132,44 @@ def test_kernel_summary_and_markdown():
     assert "| ours-int4 | 2.00 | 2.00 | 50 |  |" in md and "x sdpa-fp16 @32768" in md
     assert "grid: passed in 1 s (3 passed)" in md and "timed out" in md
     assert not gpu_check.passed(report)
+
+
+def _configs_report(default_ok: bool) -> dict:
+    rows = [
+        {"fmt": "fp16", "config": "sdpa", "us": 240.0, "ok": None},
+        {"fmt": "int4", "config": "default", "us": 694.0, "sqnr_db": 97.5, "ok": True},
+        {"fmt": "int4", "config": "bt32-w4", "us": 614.0, "sqnr_db": -8.6, "ok": False},
+        {"fmt": "tcq3", "config": "default", "us": 5522.0, "sqnr_db": 122.0 if default_ok else -2.3,
+         "ok": default_ok},
+        {"fmt": "tcq3", "config": "1-stage", "us": None, "note": "skipped: out of time"},
+    ]  # fmt: skip
+    gen = {"rc": 0, "timed_out": False, "status": "done", "rows": [{"cache": "int4", "status": "ok"}],
+           "meta": {"prompt": 32768, "new_tokens": 64, "dtype": "bfloat16", "device": "cuda"}}  # fmt: skip
+    parts = {"tests": {"status": "skipped"}, "kernels": {"status": "skipped"}, "generate": gen,
+             "configs": {"rc": 0, "timed_out": False, "status": "done", "rows": rows}}  # fmt: skip
+    meta = {"device": "H200", "seconds": 1.0, "git_commit": "x"}
+    return {"meta": meta, "parts": parts}
+
+
+def test_configs_part_marks_wrong_outputs_and_fails_only_on_the_shipped_config():
+    report = _configs_report(default_ok=True)
+    md = gpu_check.to_markdown(report)
+    assert "| int4 | 694 µs | | 614 µs WRONG (-9 dB) |" in md.replace("|  |", "| |")
+    assert "skipped: out of time" in md
+    assert gpu_check.passed(report)  # a wrong output in a config that is not shipped is reported only
+    assert not gpu_check.passed(_configs_report(default_ok=False))
+
+
+def test_configs_part_runs_the_sweep_module(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, limit, log, cwd=None):
+        seen["cmd"], seen["limit"] = cmd, limit
+        return {"rc": 2, "timed_out": False, "seconds": 0.1, "log": log.name}
+
+    monkeypatch.setattr(gpu_check, "run_part", fake_run)
+    r = gpu_check.part_configs(tmp_path, 60)
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("-m") + 1] == "kvquant.tools.sweep_kernels"
+    assert cmd[cmd.index("--formats") + 1 : cmd.index("--configs")] == gpu_check.CONFIG_FORMATS
+    assert r["status"] == "failed (rc 2)" and r["rows"] == []
