@@ -2,7 +2,7 @@
 # make test  - run the test suite (sets up .venv first if needed)
 # make test-fast - the suite without the `slow` tests (the inner loop)
 # make lint  - ruff check + format check + the import contracts (lint-imports, pyproject.toml)
-# make gpu-check - on a CUDA machine: GPU tests + kernel benchmark + long-context generate (< 8 min, H200)
+# make gpu-check - on a CUDA machine: GPU tests + kernel benchmark + launch configs + long-context generate (< 8 min, H200)
 
 PYTHON ?= python3
 VENV := .venv
