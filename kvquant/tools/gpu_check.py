@@ -28,8 +28,9 @@ has no time left for, and says so).
 
 Writes into ``--out``: ``gpu_check.json`` (meta, one record per part), ``gpu_check.md`` (printed at
 the end), ``pytest/`` (JUnit + logs), ``kernel_bench/`` (``bench.json``, ``bench.md``),
-``configs/`` (``sweep.json``, ``sweep.md``), ``generate.json``. Without CUDA it exits 2 (``no CUDA device``). ``--device cpu --tiny`` runs the
-generate part alone on a tiny model on CPU: the plumbing, for tests.
+``configs/`` (``sweep.json``, ``sweep.md``), ``generate.json``. Without CUDA it exits 2 (``no CUDA
+device``). ``--device cpu --tiny`` runs the generate part alone on a tiny model on CPU: the plumbing,
+for tests.
 
 Example::
 
