@@ -264,38 +264,29 @@ SCALE_OVERFLOW = (
     "scale_dtype: the scale dtype cannot hold the scale/zero point of these values; "
     "use scale_dtype 'float32' or 'bfloat16'"
 )
-_CODES = {2: NONFINITE_INPUT, 1: SCALE_OVERFLOW}  # the higher code wins
-_pending: dict[torch.device, torch.Tensor] = {}  # device -> int32 scalar: 0 ok, else the worst code
+DEFERRED_ERRORS = {2: NONFINITE_INPUT, 1: SCALE_OVERFLOW}  # a flag's code -> its error; the higher code wins
+_flags: dict[torch.device, torch.Tensor] = {}  # device -> its deferred-error flag
 
 
-def flag_nonfinite(
-    x: torch.Tensor, scales: tuple[torch.Tensor | None, ...] = (), *, defer: bool | None = None
-) -> None:
-    """Check what a kernel quantized without looking: ``x`` finite, the written ``scales`` finite.
-
-    On CUDA (``defer`` None) the check is a device-side flag, ORed per call and raised by
-    :func:`raise_deferred` at the next point that syncs anyway: no host sync per call. Elsewhere
-    (``defer=False``) it raises ``ValueError`` at once, as :func:`kvquant.formats.quantize` does.
-    """
-    bad_x = ~torch.isfinite(x).all()  # [] bool, on x's device
-    bad_s = torch.zeros_like(bad_x)
-    for s in scales:
-        if s is not None and s.numel():
-            bad_s = bad_s | ~torch.isfinite(s.float()).all()
-    code = torch.where(bad_x, 2, torch.where(bad_s, 1, 0)).to(torch.int32)
-    if defer is None:
-        defer = x.is_cuda
-    if not defer:
-        if int(code):
-            raise ValueError(_CODES[int(code)])
-        return
-    prev = _pending.get(x.device)
-    _pending[x.device] = code if prev is None else torch.maximum(prev, code)
+def deferred_flag(device: torch.device | str) -> torch.Tensor:
+    """The device's deferred-error flag: an int32 ``[1]`` tensor there, 0 while nothing is flagged,
+    else the highest code of :data:`DEFERRED_ERRORS` seen since :func:`raise_deferred` last raised it.
+    Kernels raise it in place (the Triton quantize kernel: an atomic max), so a check costs no launch
+    and no host sync of its own."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flag = _flags.get(dev)
+    if flag is None:
+        flag = _flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return flag
 
 
 def check_finite(*xs: torch.Tensor) -> None:
     """States entering a cache must be finite: ``ValueError`` (:data:`NONFINITE_INPUT`) at once on
-    CPU; on CUDA a device-side flag raised by :func:`raise_deferred` (no host sync per call).
+    CPU; on CUDA the device's :func:`deferred_flag`, raised by :func:`raise_deferred` (no host sync
+    per call; a few small launches: each tensor's largest magnitude, NaN propagating, compared with
+    its dtype's largest finite value).
 
     On CPU the sums come first (a NaN or Inf anywhere makes a sum non-finite; one reduction per
     tensor), and only a non-finite sum (or a finite-valued one that overflowed) is looked at closely."""
@@ -308,23 +299,26 @@ def check_finite(*xs: torch.Tensor) -> None:
         if not all(bool(torch.isfinite(x).all()) for x in xs):
             raise ValueError(NONFINITE_INPUT)
         return
-    bad = torch.zeros((), dtype=torch.bool, device=xs[0].device)
+    worst = None
     for x in xs:
-        bad = bad | ~torch.isfinite(x).all()
-    code = bad.to(torch.int32) * 2
-    prev = _pending.get(xs[0].device)
-    _pending[xs[0].device] = code if prev is None else torch.maximum(prev, code)
+        m = torch.linalg.vector_norm(x, float("inf"))  # [] max |x| (NaN if any)
+        worst = m if worst is None else torch.maximum(worst, m)
+    deferred_flag(xs[0].device).masked_fill_(worst.le(torch.finfo(worst.dtype).max).logical_not_(), 2)
 
 
 def raise_deferred(device: torch.device | str | None = None) -> None:
-    """Raise the ``ValueError`` of a deferred non-finite check (one host sync per device), then clear it.
+    """Raise the ``ValueError`` of a deferred check (one host sync per device that has a flag), then
+    clear the flag.
 
     ``device``: only that device's flag (default: every device with one).
     """
     want = None if device is None else torch.device(device)
-    for dev in list(_pending):
+    for dev, flag in list(_flags.items()):
         if want is not None and (dev.type != want.type or want.index not in (None, dev.index)):
             continue
-        flag = _pending.pop(dev, None)
-        if flag is not None and int(flag):
-            raise ValueError(_CODES[int(flag)] + " (seen by an earlier quantize_append on " + str(dev) + ")")
+        code = int(flag)
+        if code:
+            flag.zero_()
+            raise ValueError(
+                DEFERRED_ERRORS[code] + " (seen by an earlier quantize_append on " + str(dev) + ")"
+            )

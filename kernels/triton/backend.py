@@ -8,10 +8,11 @@ codebooks with their scale search in the kernel; head size and group size powers
 and scales of :func:`kvquant.formats.quantize` (bit for bit, except codebook scales in fp32, whose
 RMS is summed in another order: equal squared error, see ``quantize.py``); the trellis codes
 take the spec's scales (device torch) around the Triton Viterbi kernel (``encode``, :mod:`.trellis`). What it supports is derived from the format specs, never from
-names. The kernel does not look at
-what it quantizes: NaN / Inf inputs and scales the dtype cannot hold are caught by a device-side
-flag (:func:`kvquant.kernels.backend.flag_nonfinite`), raised at the next
-:func:`kvquant.kernels.ops.raise_deferred` (no host sync per call); under the interpreter at once.
+names. NaN / Inf inputs and
+scales the dtype cannot hold do not stop the quantize kernel: it raises the device's
+:func:`kvquant.kernels.backend.deferred_flag` in place, raised as ``ValueError`` at the next
+:func:`kvquant.kernels.ops.raise_deferred` (no launch and no host sync of its own); under the
+interpreter at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from __future__ import annotations
 import torch
 
 from kvquant.formats import FORMAT_NAMES, format_spec
-from kvquant.kernels.backend import Backend, DecodeCall, EncodeCall, QuantizeCall, flag_nonfinite
+from kvquant.kernels.backend import (
+    Backend,
+    DecodeCall,
+    EncodeCall,
+    QuantizeCall,
+    deferred_flag,
+    raise_deferred,
+)
 
 try:
     import triton  # noqa: F401
@@ -44,6 +52,8 @@ class TritonBackend(Backend):
     name = "triton"
     devices = frozenset({"cuda"})
     interpretable = True
+    takes_fp_tokens = True  # (each segment one launch of the split kernel, one merge: no torch ops)
+    takes_segments = True
 
     def available(self) -> str | None:
         return None if _IMPORT_ERROR is None else f"triton not importable: {_IMPORT_ERROR}"
@@ -94,16 +104,12 @@ class TritonBackend(Backend):
     def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
         from kvquant.kernels.triton.quantize import quantize_append
 
-        quantize_append(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
-        if scale is None:  # pass-through: a copy
-            return True
-        n, block = x.shape[2], (group_size if axis == "channel" else 1)
-        rows = (
-            ()
-            if static_scale
-            else tuple(t[:, :, index // block : (index + n) // block] for t in (scale, zero) if t is not None)
+        flag = deferred_flag(x.device)
+        quantize_append(
+            x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale, flag=flag
         )
-        flag_nonfinite(x, rows)
+        if not x.is_cuda:  # the interpreter: raise at once, as the other CPU backends do
+            raise_deferred(x.device)
         return True
 
 

@@ -2,7 +2,9 @@
 
 ``quantized_decode_attention`` launches two kernels:
 
-1. ``decode_attention_split_kernel``, grid ``(B * Hkv, S)``: program ``(b, h, s)`` serves all ``G_q``
+1. ``decode_attention_split_kernel``, grid ``(B * Hkv, S)``, once per segment of the call (the
+   store, each extra quantized segment such as the recent window, the full-precision tokens under
+   an optional token mask), each into its own share of one buffer of partials: program ``(b, h, s)`` serves all ``G_q``
    query heads of KV head ``h`` (each K/V tile is loaded once for the whole GQA group) over the
    ``s``-th share of the row's tiles ``[start[b], end)``. Per tile of ``BT`` tokens it unpacks codes
    (int4 / int2 planes with one shift + mask each, joined back into channel order; int3's two
@@ -10,8 +12,8 @@
    format's fp32 table, see ``load_levels``), computes the
    scores, runs an online softmax (base 2) and accumulates ``P @ V``; it writes the normalized
    partial output and its log-sum-exp.
-2. ``merge_splits_kernel``, grid ``(B * Hq,)``: merges the ``S`` partials by log-sum-exp (skipped when
-   ``S == 1``: the split kernel then writes the final output itself).
+2. ``merge_splits_kernel``, grid ``(B * Hq,)``: merges all segments' partials by log-sum-exp (skipped
+   when there is one: the split kernel then writes the final output itself).
 
 How scales enter (``K_MODE`` / ``V_MODE``):
 
@@ -36,12 +38,19 @@ tiles (mode 2) use fp32 dots (``tf32x3`` on GPU); codebook and trellis values (f
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from kvquant.formats import format_spec, is_static_scale
-from kvquant.kernels.reference import check_attention, quantized_decode_attention_ref
+from kvquant.kernels.backend import SegmentRead
+from kvquant.kernels.reference import (
+    check_attention,
+    dense_decode_attention_ref,
+    merge_attention,
+    quantized_decode_attention_ref,
+)
 from kvquant.kernels.triton._common import INTERPRET, is_pow2
 from kvquant.kernels.triton.decode_kernels import (  # noqa: F401  (load_codes: re-exported for tests)
     decode_attention_split_kernel,
@@ -177,60 +186,46 @@ def quantized_decode_attention(
     block_t: int | None = None,
     num_warps: int = 8,
     num_stages: int | None = None,
+    fp_k: torch.Tensor | None = None,
+    fp_v: torch.Tensor | None = None,
+    fp_valid: torch.Tensor | None = None,
+    extra: tuple[SegmentRead, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-decoding over a quantized store (Triton); the contract of
-    :func:`kvquant.kernels.reference.quantized_decode_attention_ref`.
+    :func:`kvquant.kernels.reference.quantized_decode_attention_ref`, plus the segments
+    :func:`kvquant.kernels.ops.decode_attention` passes: ``fp_k`` / ``fp_v [B, Hkv, n, D]``
+    full-precision tokens with ``fp_valid [B, n]`` (bool, None: all attend; a mask with holes is
+    honoured) and ``extra`` quantized segments (:class:`~kvquant.kernels.backend.SegmentRead`).
 
-    ``num_splits`` overrides the split count; ``out[B, Hq, D]`` / ``lse[B, Hq]`` (fp32) may be
-    preallocated and are written in place. A ``head_dim`` that is not a power of two >= 16 falls
-    back to the reference (with a warning). Launch knobs: ``block_t`` tokens per tile (a power of two
-    >= 16; default :func:`_block_t`), ``num_warps``, ``num_stages`` (default :func:`_num_stages`).
+    Every segment is one launch of the split kernel into its own share of one buffer of partials,
+    merged by one ``merge_splits_kernel``: a decode step with a recent window and full-precision
+    tokens costs 3 + 1 launches and no torch ops. ``num_splits`` overrides the main store's split
+    count; ``out[B, Hq, D]`` / ``lse[B, Hq]`` (fp32) may be preallocated and are written in place. A
+    ``head_dim`` that is not a power of two >= 16 falls back to the torch references (with a
+    warning). Launch knobs: ``block_t`` tokens per tile (a power of two >= 16; default
+    :func:`_block_t`), ``num_warps``, ``num_stages`` (default :func:`_num_stages`).
+
+    Example:
+        >>> out, lse = quantized_decode_attention(q, *k_parts, *v_parts, k_fmt="int4", v_fmt="int4",
+        ...     k_group=128, v_group=128, k_axis="token", start=start, end=t, scaling=128**-0.5,
+        ...     fp_k=tail_k, fp_v=tail_v)                    # q [B, Hq, 128]; out [B, Hq, 128] fp32
     """
     check_attention(q, k_codes, v_codes, start, end, k_axis, k_group)
     b, hq, d = q.shape
-    hkv = k_codes.shape[1]
+    main = _Segment((k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), k_fmt, v_fmt, k_group, v_group, k_axis,
+                    start, end)  # fmt: skip
+    segments = [main] + [_Segment(s.tensors(), s.k_fmt, s.v_fmt, s.k_group, s.v_group, s.k_axis, s.start, s.end)
+                         for s in extra]  # fmt: skip
+    if fp_k is not None and fp_k.shape[2] > 0:
+        n = fp_k.shape[2]
+        segments.append(_Segment((fp_k, None, None, fp_v, None, None), "none", "none", None, None, "token",
+                                 _zero_starts(b, q.device), n, fp_valid, dense=True))  # fmt: skip
     if not (is_pow2(d) and d >= 16):
         warnings.warn(
-            f"quantized_decode_attention: head_dim {d} is not a power of two >= 16; using the torch reference",
+            f"quantized_decode_attention: head_dim {d} is not a power of two >= 16; using the torch references",
             stacklevel=2,
         )
-        return quantized_decode_attention_ref(
-            q,
-            k_codes,
-            k_scale,
-            k_zero,
-            v_codes,
-            v_scale,
-            v_zero,
-            k_fmt=k_fmt,
-            v_fmt=v_fmt,
-            k_group=k_group,
-            v_group=v_group,
-            k_axis=k_axis,
-            start=start,
-            end=end,
-            scaling=scaling,
-            softcap=softcap,
-            out=out,
-            lse=lse,
-        )
-    kg = d if k_group is None else (min(k_group, d) if k_axis == "token" else k_group)
-    vg = d if v_group is None else min(v_group, d)
-    if k_axis == "token" and d % kg or d % vg:
-        raise ValueError(f"k_group / v_group: {kg}, {vg} must divide head_dim {d}")
-    k_read, k_mode, k_scale, k_zero, k_has_s, k_has_z = _operand(
-        k_codes, k_scale, k_zero, k_fmt, kg, k_axis, d
-    )
-    v_read, v_mode, v_scale, v_zero, v_has_s, v_has_z = _operand(
-        v_codes, v_scale, v_zero, v_fmt, vg, "token", d
-    )
-    k_sfp8 = k_scale is not None and k_scale.dtype == torch.float8_e4m3fn
-    v_sfp8 = v_scale is not None and v_scale.dtype == torch.float8_e4m3fn
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale), ("k_zero", k_zero), ("v_zero", v_zero)):
-        if t is not None and t.dtype.itemsize == 1 and t.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{name}: 8-bit scales are float8_e4m3fn, not {t.dtype}")
-    bt, k_mode = _block_t(d, k_mode, v_mode, k_axis, kg, block_t)
-    stages = num_stages if num_stages is not None else _num_stages(k_read, v_read)
+        return _reference(q, segments, scaling, softcap, out, lse)
     if out is None:
         out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     if lse is None:
@@ -239,90 +234,232 @@ def quantized_decode_attention(
         raise ValueError(f"out / lse: expected [{b}, {hq}, {d}] and fp32 [{b}, {hq}]")
     if b * hq == 0:
         return out, lse
-    n_tiles = triton.cdiv(max(end, 0), bt)
-    s = num_splits if num_splits is not None else default_num_splits(b * hkv, n_tiles, q.device)
-    s = max(1, min(int(s), max(n_tiles, 1)))
-    if s == 1:  # the split kernel writes the final result
-        o_part, l_part = out, lse
-        o_str = (out.stride(0), out.stride(1), 0, out.stride(2))
-        l_str = (lse.stride(0), lse.stride(1), 0)
-    else:
-        o_part = torch.empty(b, hq, s, d, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(b, hq, s, dtype=torch.float32, device=q.device)
-        o_str, l_str = o_part.stride(), l_part.stride()
-    gq = hq // hkv
-    dummy = k_codes  # any pointer for absent scale / zero buffers (never read)
-    k_codes, v_codes = _bytes(k_codes), _bytes(v_codes)  # fp8: decoded from its bytes
-    k_scale, k_zero, v_scale, v_zero = map(_bytes, (k_scale, k_zero, v_scale, v_zero))
-    decode_attention_split_kernel[(b * hkv, s)](
-        q,
-        k_codes,
-        k_scale if k_scale is not None else dummy,
-        k_zero if k_zero is not None else dummy,
-        v_codes,
-        v_scale if v_scale is not None else dummy,
-        v_zero if v_zero is not None else dummy,
-        _table(k_read, dummy),
-        _table(v_read, dummy),
-        start,
+    knobs = dict(block_t=block_t, num_warps=num_warps, num_stages=num_stages)
+    launches = [seg.prepare(q, **knobs) for seg in segments]
+    for i, (seg, launch) in enumerate(zip(segments, launches, strict=True)):
+        if i and launch.n_tiles == 0:  # (an empty extra segment adds nothing)
+            launch.splits = 0
+        elif i == 0 and num_splits is not None:
+            launch.splits = max(1, min(int(num_splits), max(launch.n_tiles, 1)))
+        else:
+            launch.splits = default_num_splits(b * seg.tensors[0].shape[1], launch.n_tiles, q.device)
+    total = sum(x.splits for x in launches)
+    if total == 1:  # the split kernel writes the final result
+        launches[0].launch(q, out.unsqueeze(2), lse.unsqueeze(2), scaling, softcap)
+        return out, lse
+    o_part = torch.empty(b, hq, total, d, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(b, hq, total, dtype=torch.float32, device=q.device)
+    first = 0
+    for x in launches:
+        if x.splits:
+            x.launch(
+                q,
+                o_part[:, :, first : first + x.splits],
+                l_part[:, :, first : first + x.splits],
+                scaling,
+                softcap,
+            )
+            first += x.splits
+    merge_splits_kernel[(b * hq,)](
         o_part,
         l_part,
-        int(end),
-        s,
-        hkv,
-        float(scaling),
-        float(softcap) if softcap else 1.0,
-        *q.stride(),
-        *k_codes.stride(),
-        *_strides4(k_scale),
-        *_strides4(k_zero),
-        *v_codes.stride(),
-        *_strides4(v_scale),
-        *_strides4(v_zero),
-        *o_str,
-        *l_str,
-        GQ=gq,
-        GQP=max(16, triton.next_power_of_2(gq)),
+        out,
+        lse,
+        total,
+        hq,
+        *o_part.stride(),
+        *l_part.stride(),
+        *out.stride(),
+        *lse.stride(),
         D=d,
-        BT=bt,
-        K_BITS=k_read.bits,
-        V_BITS=v_read.bits,
-        K_FP8=k_read.fp8,
-        V_FP8=v_read.fp8,
-        K_LUT=k_read.lut,
-        V_LUT=v_read.lut,
-        K_M=k_read.state_codes,
-        V_M=v_read.state_codes,
-        K_SFP8=k_sfp8,
-        V_SFP8=v_sfp8,
-        K_MODE=k_mode,
-        V_MODE=v_mode,
-        K_CHANNEL=k_axis == "channel",
-        K_G=kg,
-        V_G=vg,
-        K_SCALE=k_has_s,
-        K_ZERO=k_has_z,
-        V_SCALE=v_has_s,
-        V_ZERO=v_has_z,
-        Q_SPLIT=q.dtype != torch.float16,
-        SOFTCAP=bool(softcap),
-        F32_DOT="ieee" if INTERPRET else "tf32x3",
-        num_warps=num_warps,
-        **({} if stages is None else {"num_stages": stages}),
+        BS=triton.next_power_of_2(total),
     )
-    if s > 1:
-        merge_splits_kernel[(b * hq,)](
+    return out, lse
+
+
+_ZERO_STARTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _zero_starts(b: int, device: torch.device) -> torch.Tensor:
+    """int64 zeros ``[b]`` on ``device``, made once (the full-precision segment starts at 0 in every row)."""
+    key = (b, device)
+    if key not in _ZERO_STARTS:
+        _ZERO_STARTS[key] = torch.zeros(b, dtype=torch.long, device=device)
+    return _ZERO_STARTS[key]
+
+
+@dataclass
+class _Segment:
+    """One segment of a decode call: K / V buffers, what they hold, the rows' ranges ``[start[b], end)``
+    and a token mask ``valid [B, end]`` (None: all)."""
+
+    tensors: tuple
+    k_fmt: str
+    v_fmt: str
+    k_group: int | None
+    v_group: int | None
+    k_axis: str
+    start: torch.Tensor
+    end: int
+    valid: torch.Tensor | None = None
+    dense: bool = False  # full-precision tokens (the torch fallback attends them densely)
+
+    def prepare(self, q: torch.Tensor, *, block_t, num_warps, num_stages) -> _Launch:
+        """The kernel arguments of this segment (checked) as a :class:`_Launch`."""
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = self.tensors
+        check_attention(q, k_codes, v_codes, self.start, self.end, self.k_axis, self.k_group)
+        d = q.shape[2]
+        kg = d if self.k_group is None else (min(self.k_group, d) if self.k_axis == "token" else self.k_group)
+        vg = d if self.v_group is None else min(self.v_group, d)
+        if self.k_axis == "token" and d % kg or d % vg:
+            raise ValueError(f"k_group / v_group: {kg}, {vg} must divide head_dim {d}")
+        k_read, k_mode, k_scale, k_zero, k_has_s, k_has_z = _operand(
+            k_codes, k_scale, k_zero, self.k_fmt, kg, self.k_axis, d
+        )
+        v_read, v_mode, v_scale, v_zero, v_has_s, v_has_z = _operand(
+            v_codes, v_scale, v_zero, self.v_fmt, vg, "token", d
+        )
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale), ("k_zero", k_zero), ("v_zero", v_zero)):
+            if t is not None and t.dtype.itemsize == 1 and t.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{name}: 8-bit scales are float8_e4m3fn, not {t.dtype}")
+        bt, k_mode = _block_t(d, k_mode, v_mode, self.k_axis, kg, block_t)
+        stages = num_stages if num_stages is not None else _num_stages(k_read, v_read)
+        valid = self.valid
+        if valid is not None:
+            if valid.shape != (q.shape[0], self.end) or valid.dtype != torch.bool:
+                raise ValueError(
+                    f"fp_valid: expected bool [{q.shape[0]}, {self.end}], got {valid.dtype} {tuple(valid.shape)}"
+                )
+            valid = valid.to(q.device).view(torch.uint8)
+        dummy = k_codes  # any pointer for absent scale / zero buffers (never read)
+        k_sfp8 = k_scale is not None and k_scale.dtype == torch.float8_e4m3fn
+        v_sfp8 = v_scale is not None and v_scale.dtype == torch.float8_e4m3fn
+        k_scale, k_zero, v_scale, v_zero = map(_bytes, (k_scale, k_zero, v_scale, v_zero))
+        k_codes, v_codes = _bytes(k_codes), _bytes(v_codes)  # fp8: decoded from its bytes
+        args = (
+            k_codes,
+            k_scale if k_scale is not None else dummy,
+            k_zero if k_zero is not None else dummy,
+            v_codes,
+            v_scale if v_scale is not None else dummy,
+            v_zero if v_zero is not None else dummy,
+            _table(k_read, dummy),
+            _table(v_read, dummy),
+            self.start,
+            valid if valid is not None else self.start,
+        )
+        strides = (
+            *k_codes.stride(),
+            *_strides4(k_scale),
+            *_strides4(k_zero),
+            *v_codes.stride(),
+            *_strides4(v_scale),
+            *_strides4(v_zero),
+        )
+        hq, hkv = q.shape[1], k_codes.shape[1]
+        consts = dict(
+            GQ=hq // hkv,
+            GQP=max(16, triton.next_power_of_2(hq // hkv)),
+            D=d,
+            BT=bt,
+            K_BITS=k_read.bits,
+            V_BITS=v_read.bits,
+            K_FP8=k_read.fp8,
+            V_FP8=v_read.fp8,
+            K_LUT=k_read.lut,
+            V_LUT=v_read.lut,
+            K_M=k_read.state_codes,
+            V_M=v_read.state_codes,
+            K_SFP8=k_sfp8,
+            V_SFP8=v_sfp8,
+            K_MODE=k_mode,
+            V_MODE=v_mode,
+            K_CHANNEL=self.k_axis == "channel",
+            K_G=kg,
+            V_G=vg,
+            K_SCALE=k_has_s,
+            K_ZERO=k_has_z,
+            V_SCALE=v_has_s,
+            V_ZERO=v_has_z,
+            Q_SPLIT=q.dtype != torch.float16,
+            F32_DOT="ieee" if INTERPRET else "tf32x3",
+            VALID=valid is not None,
+            num_warps=num_warps,
+            **({} if stages is None else {"num_stages": stages}),
+        )
+        val_strides = (0, 0) if valid is None else tuple(valid.stride())
+        return _Launch(
+            args, strides, val_strides, consts, int(self.end), hkv, triton.cdiv(max(self.end, 0), bt)
+        )
+
+
+@dataclass
+class _Launch:
+    """The split-kernel launch of one segment; ``splits`` (its share of the partials) is set by the caller."""
+
+    args: tuple
+    strides: tuple
+    val_strides: tuple
+    consts: dict
+    end: int
+    hkv: int
+    n_tiles: int
+    splits: int = 1
+
+    def launch(self, q, o_part, l_part, scaling, softcap) -> None:
+        """Write this segment's partials into ``o_part [B, Hq, splits, D]`` / ``l_part [B, Hq, splits]``."""
+        b = q.shape[0]
+        decode_attention_split_kernel[(b * self.hkv, self.splits)](
+            q,
+            *self.args,
             o_part,
             l_part,
-            out,
-            lse,
-            s,
-            hq,
+            self.end,
+            self.splits,
+            self.hkv,
+            float(scaling),
+            float(softcap) if softcap else 1.0,
+            *self.val_strides,
+            *q.stride(),
+            *self.strides,
             *o_part.stride(),
             *l_part.stride(),
-            *out.stride(),
-            *lse.stride(),
-            D=d,
-            BS=triton.next_power_of_2(s),
+            SOFTCAP=bool(softcap),
+            **self.consts,
         )
-    return out, lse
+
+
+def _reference(q, segments, scaling, softcap, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segments by the torch references, merged by log-sum-exp (head sizes the kernel cannot take)."""
+    parts = []
+    for seg in segments:
+        if seg.dense:
+            parts.append(
+                dense_decode_attention_ref(q, seg.tensors[0], seg.tensors[3], seg.valid, scaling, softcap)
+            )
+            continue
+        parts.append(
+            quantized_decode_attention_ref(
+                q,
+                *seg.tensors,
+                k_fmt=seg.k_fmt,
+                v_fmt=seg.v_fmt,
+                k_group=seg.k_group,
+                v_group=seg.v_group,
+                k_axis=seg.k_axis,
+                start=seg.start,
+                end=seg.end,
+                scaling=scaling,
+                softcap=softcap,
+            )  # fmt: skip
+        )
+    res_o, res_l = (
+        parts[0] if len(parts) == 1 else merge_attention([o for o, _ in parts], [x for _, x in parts])
+    )
+    if out is not None:
+        out.copy_(res_o)
+        res_o = out
+    if lse is not None:
+        lse.copy_(res_l)
+        res_l = lse
+    return res_o, res_l

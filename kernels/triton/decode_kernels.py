@@ -173,6 +173,7 @@ def decode_attention_split_kernel(
     p_klut,
     p_vlut,
     p_start,
+    p_valid,
     p_o,
     p_lse,
     end,
@@ -180,6 +181,8 @@ def decode_attention_split_kernel(
     Hkv,
     scaling,
     softcap,
+    stride_valb,
+    stride_valt,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -240,6 +243,7 @@ def decode_attention_split_kernel(
     Q_SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     F32_DOT: tl.constexpr,
+    VALID: tl.constexpr,
 ):
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // Hkv).to(tl.int64), (i_bh % Hkv).to(tl.int64)
@@ -278,6 +282,8 @@ def decode_attention_split_kernel(
     for i_t in range(i_lo, i_hi):
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # [BT]
         m_t = (o_t >= st) & (o_t < end)
+        if VALID:  # a token mask [B, end] (bytes): token t attends where it is nonzero
+            m_t = m_t & (tl.load(p_valid + i_b * stride_valb + o_t * stride_valt, mask=m_t, other=0) != 0)
 
         # ---- scores [GQP, BT]
         b_k = load_levels(p_kc, p_klut, o_t, m_t, stride_kct, stride_kcw, BT, D, K_BITS, K_FP8, K_LUT, K_M)
@@ -320,8 +326,13 @@ def decode_attention_split_kernel(
 
         # ---- online softmax
         b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))  # [GQP], finite: the tile has a valid token
-        b_alpha = tl.exp2(b_m - b_mn)
-        b_p = tl.exp2(b_s - b_mn[:, None])  # [GQP, BT]
+        if VALID:  # ... unless the mask took them all: nothing so far, weights 0
+            b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+            b_alpha = tl.exp2(b_m - b_ms)
+            b_p = tl.exp2(b_s - b_ms[:, None])
+        else:
+            b_alpha = tl.exp2(b_m - b_mn)
+            b_p = tl.exp2(b_s - b_mn[:, None])  # [GQP, BT]
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_m = b_mn
 

@@ -11,9 +11,11 @@ stretch and the re-pick. Scales may be float8_e4m3fn (rounded by integer arithme
 bytes). The plain-torch twin is :func:`kvquant.kernels.reference.quantize_append_ref`.
 
 Restrictions of the kernel: ``D`` and ``G`` powers of two (other shapes fall back to the reference,
-with a warning). Non-finite inputs, or scales the scale dtype cannot hold, are not detected here
-(the scale becomes ``inf``; checking would cost a device sync per step), whereas
-:func:`kvquant.formats.quantize` raises ``ValueError`` for them.
+with a warning). Non-finite inputs, and scales the scale dtype cannot hold, do not stop the kernel
+(the scale becomes ``inf`` / NaN; raising would cost a device sync per step): given a ``flag``, each
+program atomically raises it to 2 (non-finite input) or 1 (a written scale or zero point not finite),
+the codes of :data:`kvquant.kernels.backend.DEFERRED_ERRORS`; :func:`kvquant.formats.quantize` raises
+``ValueError`` for the same values.
 
 Exactness: divisions use ``tl.div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs),
 square roots ``tl.sqrt_rn``, rounding is half-to-even by floor arithmetic (``torch.round``), fp8
@@ -63,6 +65,12 @@ def _store_rows(p_base, b_val, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_b, st
         o_g = tl.arange(0, NG)
         p = p + (index + o_t)[:, None] * stride_r + o_g[None, :] * stride_g
         tl.store(p, tl.reshape(b_val, (BT, NG)).to(p_base.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _nonfinite(b):
+    """1 where ``b`` is NaN or +-inf, else 0 (int32)."""
+    return ((b != b) | (tl.abs(b) == float("inf"))).to(tl.int32)
 
 
 @triton.jit
@@ -122,6 +130,7 @@ def quantize_append_kernel(
     p_levels,
     p_edges,
     p_grid,
+    p_flag,
     n,
     index,
     H,
@@ -154,6 +163,7 @@ def quantize_append_kernel(
     STATIC: tl.constexpr,
     NL: tl.constexpr,
     NGRID: tl.constexpr,
+    FLAG: tl.constexpr,
 ):
     i_bh, i_t = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -234,6 +244,15 @@ def quantize_append_kernel(
             _store_rows(p_zero, b_z, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_zb, stride_zh, stride_zr, stride_zg,
                         G, BT, D, NG, CHANNEL, SCALE_KIND)  # fmt: skip
 
+    # ---- the deferred error flag: 2 non-finite input, 1 a stored scale / zero point not finite
+    if FLAG:
+        code = tl.max(_nonfinite(b_x)) * 2  # (tokens past n were loaded as 0)
+        if not STATIC:
+            code = tl.maximum(code, tl.max(_nonfinite(b_s)))
+            if KIND == 2:
+                code = tl.maximum(code, tl.max(_nonfinite(b_z)))
+        tl.atomic_max(p_flag, code, mask=code > 0)
+
 
 def _strides(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     return (0, 0, 0, 0) if t is None else tuple(t.stride())
@@ -250,12 +269,15 @@ def quantize_append(
     axis: str = "token",
     *,
     static_scale: bool | None = None,
+    flag: torch.Tensor | None = None,
 ) -> None:
     """Quantize ``x[B, H, n, D]`` into the store buffers at buffer index ``index``, in place (Triton).
 
     Same contract and results as :func:`kvquant.kernels.reference.quantize_append_ref`: codes,
     scales and zero points bit-identical to :func:`kvquant.formats.quantize`. ``x`` fp16 / bf16 / fp32;
-    ``D`` and the group size powers of two (else the reference runs).
+    ``D`` and the group size powers of two (else the reference runs, which raises at once for
+    non-finite values). ``flag``: an int32 ``[1]`` tensor on ``x``'s device that the kernel raises to
+    2 for non-finite input, 1 for a scale the scale dtype cannot hold (never lowered; no host sync).
     """
     g, _ = check_append(x, codes, scale, zero, index, fmt, group_size, axis)
     b, h, n, d = x.shape
@@ -306,6 +328,7 @@ def quantize_append(
         levels,
         edges,
         grid,
+        flag if flag is not None else levels,
         n,
         index,
         h,
@@ -326,6 +349,7 @@ def quantize_append(
         STATIC=static,
         NL=levels.numel(),
         NGRID=grid.numel(),
+        FLAG=flag is not None,
         enable_fp_fusion=False,  # err = (level * s - x)^2 as the spec rounds it (no FMA): the same pick
     )
 

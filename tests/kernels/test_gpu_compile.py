@@ -43,19 +43,19 @@ SCRIPT = textwrap.dedent(
     def decode(q, kc, vc, **c):
         scales = "*u8" if c.get("K_SFP8") else "*fp16"
         ptrs = dict(p_q=q, p_kc=kc, p_vc=vc, p_ks=scales, p_kz=scales, p_vs=scales, p_vz=scales,
-                    p_klut="*fp32", p_vlut="*fp32", p_start="*i64", p_o="*fp32", p_lse="*fp32")
+                    p_klut="*fp32", p_vlut="*fp32", p_start="*i64", p_valid="*u8", p_o="*fp32", p_lse="*fp32")
         base = dict(GQ=4, GQP=16, D=128, BT=64, K_BITS=8, V_BITS=8, K_FP8=0, V_FP8=0, K_LUT=0, V_LUT=0, K_M=1,
                     V_M=1, K_SFP8=False, V_SFP8=False, K_MODE=0, V_MODE=0, K_CHANNEL=False, K_G=128, V_G=128,
                     K_SCALE=True, K_ZERO=False, V_SCALE=True, V_ZERO=False, Q_SPLIT=False, SOFTCAP=False,
-                    F32_DOT="tf32x3")
+                    F32_DOT="tf32x3", VALID=False)
         base.update(c)
         return build(da.decode_attention_split_kernel, ptrs, ("scaling", "softcap"), base, 8)
 
     def quant(x, codes, scale, **c):
         ptrs = dict(p_x=x, p_codes=codes, p_scale=scale, p_zero=scale, p_levels="*fp32", p_edges="*fp32",
-                    p_grid="*fp32")
+                    p_grid="*fp32", p_flag="*i32")
         base = dict(D=128, G=128, BT=16, CHANNEL=False, KIND=1, BITS=8, QMAX=127.0, MANT=0, BIAS=0,
-                    SCALE_KIND=1, STATIC=False, NL=1, NGRID=1)
+                    SCALE_KIND=1, STATIC=False, NL=1, NGRID=1, FLAG=True)
         base.update(c)
         return build(qz.quantize_append_kernel, ptrs, (), base, 4)
 
@@ -71,6 +71,9 @@ SCRIPT = textwrap.dedent(
                K_G=32, BT=32, Q_SPLIT=True, SOFTCAP=True),  # int2 KIVI keys
         decode("*fp32", "*u8", "*i8", K_FP8=1, K_MODE=2, V_MODE=2, K_G=32, V_G=16, BT=32, Q_SPLIT=True),  # grouped
         decode("*fp16", "*fp16", "*fp16", K_BITS=16, V_BITS=16, K_SCALE=False, V_SCALE=False, D=256, BT=32),
+        # full-precision tokens (sinks, tail, the new token) under a mask with holes, in the same launch set
+        decode("*bf16", "*bf16", "*bf16", K_BITS=16, V_BITS=16, K_SCALE=False, V_SCALE=False, K_MODE=2, V_MODE=2,
+               BT=32, Q_SPLIT=True, VALID=True),
         # issue 13: tcq2 keys (trellis states from 4 codes) + nuq4 values (table), 8-bit scales, grouped keys
         decode("*bf16", "*u8", "*u8", K_BITS=2, V_BITS=4, K_LUT=2, K_M=4, V_LUT=1, K_SFP8=True, V_SFP8=True,
                K_MODE=2, V_MODE=2, K_G=32, BT=32, Q_SPLIT=True),
@@ -81,7 +84,7 @@ SCRIPT = textwrap.dedent(
               dict(D=128, BS=8), 4),
         quant("*bf16", "*u8", "*fp16", KIND=2, BITS=4, QMAX=15.0, G=32),
         quant("*fp16", "*u8", "*bf16", KIND=3, QMAX=448.0, MANT=3, BIAS=7, CHANNEL=True, G=16, SCALE_KIND=2),
-        quant("*fp32", "*i8", "*fp32", STATIC=True, SCALE_KIND=0, BT=1),
+        quant("*fp32", "*i8", "*fp32", STATIC=True, SCALE_KIND=0, BT=1, FLAG=False),
         # issue 13: int3 planes with 8-bit scales, the nuq4 / nuq2 scale search
         quant("*bf16", "*u8", "*u8", KIND=2, BITS=3, QMAX=7.0, G=32, SCALE_KIND=3),
         quant("*bf16", "*u8", "*u8", KIND=4, BITS=4, QMAX=2.73259, G=32, SCALE_KIND=3, NL=16, NGRID=8),
@@ -102,4 +105,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     if proc.returncode and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 16" in proc.stdout
+    assert "compiled 17" in proc.stdout

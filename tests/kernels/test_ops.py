@@ -16,7 +16,7 @@ import torch
 
 from kvquant.formats import FORMAT_NAMES, QuantizedBlock, dequantize, format_spec, quantize
 from kvquant.kernels import ops
-from kvquant.kernels.backend import flag_nonfinite, raise_deferred
+from kvquant.kernels.backend import deferred_flag, raise_deferred
 from kvquant.kernels.cpu import native_available
 from kvquant.kernels.reference import (
     dense_decode_attention_ref,
@@ -217,16 +217,65 @@ def test_nan_input_raises_the_spec_error(backend, fmt):
         assert str(err.value).startswith("input: key/value states contain NaN or Inf")
 
 
-def test_deferred_flags_raise_at_the_next_sync_point_once():
-    bad = torch.tensor([1.0, float("inf")])
-    flag_nonfinite(torch.ones(2), (torch.ones(1),), defer=True)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_check_finite_defers_to_the_flag_on_cuda(dtype, bad):
+    k = torch.randn(2, 3, 5, 64, device="cuda", dtype=dtype)
+    v = torch.full_like(k, torch.finfo(dtype).max)  # the largest finite value is not flagged
+    raise_deferred()
+    ops.check_finite(k, v)
     raise_deferred()  # nothing flagged
-    flag_nonfinite(torch.ones(2), (bad,), defer=True)
-    flag_nonfinite(bad, (), defer=True)
-    with pytest.raises(ValueError, match="input: key/value states contain NaN or Inf"):  # the worst one
-        raise_deferred("cpu")
+    v[1, 2, 4, 63] = bad
+    ops.check_finite(k, v)  # no host sync, no error yet
+    with pytest.raises(ValueError, match="input: key/value states contain NaN or Inf"):
+        raise_deferred("cuda")
     raise_deferred()  # cleared
-    flag_nonfinite(torch.ones(2), (bad,), defer=True)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "axis", "scale_dtype"),
+    [
+        ("int4", "token", torch.float16),
+        ("nuq4", "token", torch.float8_e4m3fn),
+        ("int2", "channel", torch.float16),
+    ],
+)
+def test_quantize_kernel_flags_errors_for_the_next_sync_point_once(fmt, axis, scale_dtype):
+    """The Triton kernel raises the device flag itself (no check of its own launched): 2 for a
+    non-finite input, 1 for a scale the scale dtype cannot hold, the worst one kept; raise_deferred
+    raises it once and clears it."""
+    pytest.importorskip("triton")
+    from kvquant.kernels import INTERPRET
+    from kvquant.kernels.triton.quantize import quantize_append as triton_quantize
+
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 at import")
+    flag = deferred_flag("cpu")
+    raise_deferred("cpu")  # (a clean flag)
+
+    def write(x):
+        codes, scale, zero = _buffers(fmt, 1, 2, 64, 32, 32 if axis == "channel" else 16, axis, scale_dtype)
+        triton_quantize(x, codes, scale, zero, 0, fmt, 32 if axis == "channel" else 16, axis, flag=flag)
+
+    ok = torch.randn(1, 2, 32, 32)
+    write(ok)
+    assert int(flag) == 0
+    raise_deferred()  # nothing flagged
+    big = ok.clone()
+    big[0, 1, 7, 3] = 1e30 if scale_dtype == torch.float8_e4m3fn else 3e9  # finite; its scale is not
+    write(big)
+    assert int(flag) == 1
+    nan = ok.clone()
+    nan[0, 0, 30, 31] = float("nan")
+    write(nan)
+    write(big)  # a lower code does not lower the flag
+    assert int(flag) == 2
+    with pytest.raises(ValueError, match="input: key/value states contain NaN or Inf"):
+        raise_deferred("cpu")
+    assert int(flag) == 0
+    raise_deferred()  # cleared
+    write(big)
     with pytest.raises(ValueError, match="scale_dtype"):
         raise_deferred()
 
@@ -302,6 +351,13 @@ def test_the_two_references_agree_on_channel_axis_keys(fmt, t):
     _close(decode_attention_torch(*tensors, **args, chunk=48), ref)
 
 
+def _needs(backend):
+    if backend == "cpu" and not HAS_C:
+        pytest.skip("no C compiler")
+    if backend == "triton":
+        pytest.importorskip("triton")
+
+
 def _one_softmax(tensors, args, fp_k, fp_v, valid):
     """Attention over the dequantized store and the full-precision tokens in one softmax."""
     q, kc, ks, kz, vc, vs, vz = tensors
@@ -320,11 +376,10 @@ def _one_softmax(tensors, args, fp_k, fp_v, valid):
     )
 
 
-@pytest.mark.parametrize("backend", ["cpu", "chunked", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "chunked", "reference"])
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_full_precision_tokens_join_the_same_softmax(backend, with_mask):
-    if backend == "cpu" and not HAS_C:
-        pytest.skip("no C compiler")
+    _needs(backend)
     tensors, args = _decode_case("int4", "nuq2", t=50, k_group=64, v_group=32, seed=7)
     b, hkv, n, d = 2, 2, 7, 64
     fk, fv = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
@@ -367,13 +422,13 @@ def _segment(k_fmt, v_fmt, t, seed, k_axis="token", k_group=32):
     return seg, tensors, args
 
 
-@pytest.mark.parametrize("backend", [None, "cpu", "chunked", "reference"])
+@pytest.mark.parametrize("backend", [None, "cpu", "triton", "chunked", "reference"])
 def test_more_segments_join_the_same_softmax(backend):
-    """The recent window as one more segment: one C call (no merge) equals the reference's partials
-    of the main store, the full-precision tokens and each segment merged by log-sum-exp; a segment
-    of formats the main call's backend does not read goes through its own dispatch."""
-    if backend == "cpu" and not HAS_C:
-        pytest.skip("no C compiler")
+    """The recent window as one more segment: one C call (no merge), or one Triton launch per segment
+    and one merge, equals the reference's partials of the main store, the full-precision tokens (a
+    mask with holes) and each segment merged by log-sum-exp; a segment of formats the main call's
+    backend does not read goes through its own dispatch."""
+    _needs(backend)
     tensors, args = _decode_case("tcq3", "int2", t=70, k_group=32, v_group=64, seed=3)
     q = tensors[0]
     fk, fv = torch.randn(2, 2, 5, 64), torch.randn(2, 2, 5, 64)
@@ -406,12 +461,11 @@ def test_more_segments_join_the_same_softmax(backend):
             _close(got, want)
 
 
-@pytest.mark.parametrize("backend", [None, "cpu", "chunked", "reference"])
+@pytest.mark.parametrize("backend", [None, "cpu", "triton", "chunked", "reference"])
 def test_rotation_rotates_the_query_and_fp_tokens_in_and_the_output_back(backend):
     """``rotation=True``: stores of rotated vectors, the rest in the model's space. Equals rotating
     by hand around the reference: ``R . attn(R q; stores, R fp)``, also with more segments."""
-    if backend == "cpu" and not HAS_C:
-        pytest.skip("no C compiler")
+    _needs(backend)
     tensors, args = _decode_case("nuq4", "nuq3", t=40, k_group=64, v_group=64, seed=8)
     q = tensors[0] * 3
     fk, fv = torch.randn(2, 2, 6, 64), torch.randn(2, 2, 6, 64)
@@ -425,6 +479,8 @@ def test_rotation_rotates_the_query_and_fp_tokens_in_and_the_output_back(backend
         w_out, w_lse = ops.decode_attention(rot(q), *tensors[1:], **args, **ref)
         got = ops.decode_attention(q, *tensors[1:], **args, **fp, extra=extra, rotation=True, backend=backend)
         _close(got, (rot(w_out), w_lse))
+    if backend == "triton":  # (head sizes that are powers of two only)
+        return
     t48, a48 = _decode_case("int8", "int8", d=48, k_group=48, v_group=48, seed=3)  # blocks of 16
     fk48, fv48 = torch.randn(2, 2, 3, 48), torch.randn(2, 2, 3, 48)
     ref48 = dict(fp_k=rot(fk48), fp_v=rot(fv48), backend="reference")
@@ -433,14 +489,13 @@ def test_rotation_rotates_the_query_and_fp_tokens_in_and_the_output_back(backend
     _close(got, (rot(w_out), w_lse))
 
 
-@pytest.mark.parametrize("backend", [None, "cpu", "chunked", "reference"])
+@pytest.mark.parametrize("backend", [None, "cpu", "triton", "chunked", "reference"])
 @pytest.mark.parametrize("rotation", [False, True])
 def test_a_decode_plan_answers_as_the_op_call_after_call(backend, rotation):
     """``plan_decode_attention`` (the buffers described once, the ranges, query and fp tokens per
     call): every call equals ``decode_attention`` with the same arguments, also after the buffers'
     contents and the ranges changed (what a cache does between decode steps)."""
-    if backend == "cpu" and not HAS_C:
-        pytest.skip("no C compiler")
+    _needs(backend)
     tensors, args = _decode_case("tcq3", "nuq3", t=70, k_group=64, v_group=64, seed=11)
     recent, _, r_args = _segment("nuq4", "int4", 21, seed=12)
     fixed = {k: args[k] for k in ("k_fmt", "v_fmt", "k_group", "v_group", "k_axis", "scaling")}
