@@ -373,6 +373,55 @@ def test_gpu_full_grid(d, t, k_fmt, v_fmt, k_axis, k_group):
         assert_close(*got)
 
 
+@pytest.mark.parametrize("t", [70, 5000])
+def test_segments_and_masked_fp_tokens_in_one_call(device, t):
+    """The store, a recent window (extra segment) and full-precision tokens under a mask with holes:
+    one split launch each, one merge, equal to the references' partials merged by log-sum-exp. Row
+    1 has every fp token masked, row 2 nothing at all to attend (out 0, lse -inf)."""
+    if device.type == "cpu" and t > 100:
+        pytest.skip("interpreter: small shapes")
+    from kvquant.kernels.backend import SegmentRead
+    from kvquant.kernels.reference import dense_decode_attention_ref
+
+    b, hkv, gq, d, n_fp, n_rec = 3, 2, 4, 64 if device.type == "cpu" else 128, 9, 40
+    q, k, v = _inputs(b, hkv, gq, t, d, device, dtype=torch.bfloat16, seed=t)
+    _, rk, rv = _inputs(b, hkv, gq, n_rec, d, device, dtype=torch.bfloat16, seed=t + 1)
+    _, fk, fv = _inputs(b, hkv, gq, n_fp, d, device, dtype=torch.bfloat16, seed=t + 2)
+    valid = torch.rand(b, n_fp, generator=torch.Generator().manual_seed(t)) > 0.4
+    valid[0, -1], valid[1:] = True, False
+    valid = valid.to(device)
+    kst, vst = _store(k, "int4", None, "token"), _store(v, "nuq4", None, "token")
+    seg = SegmentRead(*_store(rk, "int8", None, "token"), *_store(rv, "int8", None, "token"), k_fmt="int8",
+                      v_fmt="int8", k_group=None, v_group=None, k_axis="token",
+                      start=torch.tensor([0, 5, n_rec], device=device), end=n_rec)  # fmt: skip
+    kw = dict(k_fmt="int4", v_fmt="nuq4", k_group=None, v_group=None, k_axis="token", scaling=d**-0.5)
+    start = torch.tensor([0, t // 2, t], device=device)
+    out = torch.full((b, hkv * gq, d), float("nan"), device=device)
+    lse = torch.full((b, hkv * gq), float("nan"), device=device)
+    got = quantized_decode_attention(
+        q,
+        *kst,
+        *vst,
+        **kw,
+        start=start,
+        end=t,
+        fp_k=fk,
+        fp_v=fv,
+        fp_valid=valid,
+        extra=(seg,),
+        out=out,
+        lse=lse,
+    )
+    parts = [
+        quantized_decode_attention_ref(q, *kst, *vst, **kw, start=start, end=t),
+        quantized_decode_attention_ref(q, *seg.tensors(), **dict(kw, **seg.call_kwargs())),
+        dense_decode_attention_ref(q, fk, fv, valid, kw["scaling"]),
+    ]
+    ref = merge_attention([o for o, _ in parts], [x for _, x in parts])
+    assert_close(*got, *ref)
+    assert torch.isinf(got[1][2]).all() and not torch.isinf(got[1][:2]).any()
+
+
 @pytest.mark.parametrize("block_t", [16, 32, 128])
 def test_block_t_override(block_t, device):
     """Tiles of another size cover the same tokens: same result as the reference (the launch knob
