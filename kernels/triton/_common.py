@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -26,6 +27,25 @@ SCALE_KIND = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3}
 
 def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def level_table(read, like: torch.Tensor) -> torch.Tensor:
+    """The level table of a format's :class:`~kvquant.formats.TritonRead` on ``like``'s device, copied
+    there once (``like`` itself, as a pointer never read, where the format has none)."""
+    if read.table is None:
+        return like
+    key = (id(read.table), like.device)
+    if key not in _TABLES:
+        _TABLES[key] = read.table.to(like.device).contiguous()
+    return _TABLES[key]
+
+
+def as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp8 buffers (codes, scales) as their bytes: the kernels decode them, no fp8 loads needed."""
+    return t.view(torch.uint8) if t is not None and t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 @triton.jit

@@ -7,8 +7,10 @@ the formats with Triton quantize constexprs (``FormatSpec.triton_write``: intege
 codebooks with their scale search in the kernel; head size and group size powers of two), the codes
 and scales of :func:`kvquant.formats.quantize` (bit for bit, except codebook scales in fp32, whose
 RMS is summed in another order: equal squared error, see ``quantize.py``); the trellis codes
-take the spec's scales (device torch) around the Triton Viterbi kernel (``encode``, :mod:`.trellis`). What it supports is derived from the format specs, never from
-names. NaN / Inf inputs and
+take the spec's scales (device torch) around the Triton Viterbi kernel (``encode``, :mod:`.trellis`).
+Dequantize reads what decode reads, bit for bit (:mod:`.dequantize`); ``transcode`` (a recent
+window's oldest tokens into the main store) is then that kernel and the quantize kernel. What it
+supports is derived from the format specs, never from names. NaN / Inf inputs and
 scales the dtype cannot hold do not stop the quantize kernel: it raises the device's
 :func:`kvquant.kernels.backend.deferred_flag` in place, raised as ``ValueError`` at the next
 :func:`kvquant.kernels.ops.raise_deferred` (no launch and no host sync of its own); under the
@@ -23,6 +25,7 @@ from kvquant.formats import FORMAT_NAMES, format_spec
 from kvquant.kernels.backend import (
     Backend,
     DecodeCall,
+    DequantizeCall,
     EncodeCall,
     QuantizeCall,
     deferred_flag,
@@ -82,6 +85,20 @@ class TritonBackend(Backend):
         if call.static_scale and not spec.takes_static_scale:
             return "static scales of int8 / fp8"
         return None
+
+    def supports_dequantize(self, call: DequantizeCall) -> str | None:
+        if call.fmt not in FORMATS or call.scale_dtype is None:
+            return f"reads {', '.join(sorted(FORMATS - {'none'}))}"
+        if not (_pow2(call.head_dim) and call.head_dim >= 16):
+            return "head_dim a power of two >= 16"
+        if call.scale_dtype not in SCALE_DTYPES:
+            return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
+        return None
+
+    def dequantize(self, codes, scale, zero, i0, i1, **kw) -> torch.Tensor:
+        from kvquant.kernels.triton.dequantize import dequantize
+
+        return dequantize(codes, scale, zero, i0, i1, **kw)
 
     def supports_encode(self, call: EncodeCall) -> str | None:
         if call.fmt not in SEARCH_FORMATS:

@@ -51,7 +51,7 @@ from kvquant.kernels.reference import (
     merge_attention,
     quantized_decode_attention_ref,
 )
-from kvquant.kernels.triton._common import INTERPRET, is_pow2
+from kvquant.kernels.triton._common import INTERPRET, as_bytes, is_pow2, level_table
 from kvquant.kernels.triton.decode_kernels import (  # noqa: F401  (load_codes: re-exported for tests)
     decode_attention_split_kernel,
     load_codes,
@@ -98,24 +98,6 @@ def _operand(codes, scale, zero, fmt, group, axis, d):
     else:
         mode = 0 if group == d and read.exact_f16 else 2  # table values are not exact in fp16: fp32 dots
     return read, mode, scale, zero if spec.has_zero else None, True, spec.has_zero
-
-
-_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _table(read, like: torch.Tensor) -> torch.Tensor:
-    """The format's level table on ``like``'s device, copied there once (any pointer where none)."""
-    if read.table is None:
-        return like
-    key = (id(read.table), like.device)
-    if key not in _TABLES:
-        _TABLES[key] = read.table.to(like.device).contiguous()
-    return _TABLES[key]
-
-
-def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
-    """fp8 buffers as their bytes (the kernel decodes them; no fp8 loads needed)."""
-    return t.view(torch.uint8) if t is not None and t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def _block_t(
@@ -334,8 +316,8 @@ class _Segment:
         dummy = k_codes  # any pointer for absent scale / zero buffers (never read)
         k_sfp8 = k_scale is not None and k_scale.dtype == torch.float8_e4m3fn
         v_sfp8 = v_scale is not None and v_scale.dtype == torch.float8_e4m3fn
-        k_scale, k_zero, v_scale, v_zero = map(_bytes, (k_scale, k_zero, v_scale, v_zero))
-        k_codes, v_codes = _bytes(k_codes), _bytes(v_codes)  # fp8: decoded from its bytes
+        k_scale, k_zero, v_scale, v_zero = map(as_bytes, (k_scale, k_zero, v_scale, v_zero))
+        k_codes, v_codes = as_bytes(k_codes), as_bytes(v_codes)  # fp8: decoded from its bytes
         args = (
             k_codes,
             k_scale if k_scale is not None else dummy,
@@ -343,8 +325,8 @@ class _Segment:
             v_codes,
             v_scale if v_scale is not None else dummy,
             v_zero if v_zero is not None else dummy,
-            _table(k_read, dummy),
-            _table(v_read, dummy),
+            level_table(k_read, dummy),
+            level_table(v_read, dummy),
             self.start,
             valid if valid is not None else self.start,
         )

@@ -1,8 +1,9 @@
 """``ops.dequantize``: a store's rows back to fp32, what a tier reads when its tokens move on.
 
-The C kernel equals the reference (:func:`kvquant.formats.dequantize`) bit for bit on every format it
-reads, every scale dtype, token and channel axis, static scales, odd ranges inside the buffer; the
-cache's tiers read through it (pass-through ``none`` and meta tensors take the reference).
+The C kernel and the Triton kernel (under the interpreter here) equal the reference
+(:func:`kvquant.formats.dequantize`) bit for bit on every format they read, every scale dtype, token
+and channel axis, static scales, odd ranges inside the buffer; the cache's tiers read through them
+(pass-through ``none`` and meta tensors take the reference).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from kvquant.kernels import ops
 from kvquant.kernels.cpu import native_available
 
 HAS_C = native_available()
-needs_c = pytest.mark.skipif(not HAS_C, reason="C kernels not built")
+BACKENDS = ["cpu", "triton"]
 QUANTIZED = [f for f in FORMAT_NAMES if f != "none"]
 SCALE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
@@ -29,42 +30,54 @@ def _buffers(fmt, b, h, t, d, group, axis="token", scale_dtype=torch.float16, st
     return q.codes, q.scale, q.zero
 
 
-def _both(codes, scale, zero, i0, i1, **kw):
-    got = ops.dequantize(codes, scale, zero, i0, i1, backend="cpu", **kw)
+def _needs(backend):
+    if backend == "cpu" and not HAS_C:
+        pytest.skip("C kernels not built")
+    if backend == "triton":
+        pytest.importorskip("triton")
+
+
+def _both(codes, scale, zero, i0, i1, backend, **kw):
+    got = ops.dequantize(codes, scale, zero, i0, i1, backend=backend, **kw)
     want = ops.dequantize(codes, scale, zero, i0, i1, backend="reference", **kw)
     assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
     return got, want
 
 
-@needs_c
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", QUANTIZED)
-def test_c_equals_the_reference_bit_for_bit(fmt, scale_dtype):
+def test_kernels_equal_the_reference_bit_for_bit(fmt, scale_dtype, backend):
+    _needs(backend)
     d = 64
     for group, (i0, i1) in ((64, (0, 13)), (32, (5, 11)), (16, (12, 13))):
         codes, scale, zero = _buffers(fmt, 2, 3, 13, d, group, scale_dtype=scale_dtype, seed=group)
-        got, want = _both(codes, scale, zero, i0, i1, fmt=fmt, group=group, head_dim=d)
+        got, want = _both(codes, scale, zero, i0, i1, backend, fmt=fmt, group=group, head_dim=d)
         assert torch.equal(got, want), (fmt, group, (got - want).abs().max())
 
 
-@needs_c
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["int4", "int2", "int8"])
-def test_channel_axis_keys_from_inside_a_block(fmt):
+def test_channel_axis_keys_from_inside_a_block(fmt, backend):
+    _needs(backend)
     d, group = 32, 5
     codes, scale, zero = _buffers(fmt, 1, 2, 20, d, group, axis="channel")
     for i0, i1 in ((0, 20), (3, 17), (7, 8), (10, 10)):
-        got, want = _both(codes, scale, zero, i0, i1, fmt=fmt, group=group, axis="channel", head_dim=d)
+        got, want = _both(
+            codes, scale, zero, i0, i1, backend, fmt=fmt, group=group, axis="channel", head_dim=d
+        )
         assert torch.equal(got, want), (i0, i1)
 
 
-@needs_c
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
-def test_static_scales(fmt):
+def test_static_scales(fmt, backend):
+    _needs(backend)
     d = 128
     static = torch.tensor([0.02, 0.5, 3.0])
     codes, scale, zero = _buffers(fmt, 2, 3, 9, d, d, static=static)
     assert scale.shape == (1, 3, 1, 1)
-    got, want = _both(codes, scale, zero, 2, 9, fmt=fmt, group=d, head_dim=d)
+    got, want = _both(codes, scale, zero, 2, 9, backend, fmt=fmt, group=d, head_dim=d)
     assert torch.equal(got, want)
 
 

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvquant.kernels.triton import decode_attention as da, quantize as qz, trellis as tk
+    from kvquant.kernels.triton import decode_attention as da, dequantize as dq, quantize as qz, trellis as tk
 
     def build(fn, ptrs, floats, consts, num_warps):
         sig = {}
@@ -59,6 +59,13 @@ SCRIPT = textwrap.dedent(
         base.update(c)
         return build(qz.quantize_append_kernel, ptrs, (), base, 4)
 
+    def dequant(codes, scale, **c):
+        ptrs = dict(p_c=codes, p_lut="*fp32", p_s=scale, p_z=scale, p_out="*fp32")
+        base = dict(D=128, BT=32, BITS=4, FP8=0, LUT=0, M=1, G=128, CHANNEL=False, SCALE=True, ZERO=False,
+                    SFP8=False)
+        base.update(c)
+        return build(dq.dequantize_kernel, ptrs, (), base, 4)
+
     def viterbi(**c):
         ptrs = dict(p_y="*fp32", p_table="*fp32", p_hist="*i32", p_codes="*u8", p_err="*fp32", p_back="*u8")
         return build(tk.viterbi_kernel, ptrs, (), c, 4)
@@ -89,6 +96,11 @@ SCRIPT = textwrap.dedent(
         quant("*bf16", "*u8", "*u8", KIND=2, BITS=3, QMAX=7.0, G=32, SCALE_KIND=3),
         quant("*bf16", "*u8", "*u8", KIND=4, BITS=4, QMAX=2.73259, G=32, SCALE_KIND=3, NL=16, NGRID=8),
         quant("*fp16", "*u8", "*fp16", KIND=4, BITS=2, QMAX=1.510418, NL=4, NGRID=8),
+        # the transcode's read: int4 with zero points, channel-axis int2; nuq4 with fp8 scales; tcq3 states
+        dequant("*u8", "*fp16", ZERO=True, G=32),
+        dequant("*u8", "*bf16", BITS=2, ZERO=True, CHANNEL=True, G=32),
+        dequant("*u8", "*u8", LUT=1, SFP8=True, G=32, BT=1),
+        dequant("*u8", "*fp16", BITS=3, LUT=2, M=3, D=64),
     ]
     assert all("cubin" in k.asm for k in built)
     print("compiled", len(built))
@@ -105,4 +117,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     if proc.returncode and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 17" in proc.stdout
+    assert "compiled 21" in proc.stdout

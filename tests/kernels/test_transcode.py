@@ -78,6 +78,24 @@ def test_c_equals_the_torch_twin_bit_for_bit(src_fmt, dst_fmt, via):
             assert torch.isnan(got[1][:, :, part].float()).all()
 
 
+@pytest.mark.parametrize("dst_fmt", ["nuq2", "tcq2", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("src_fmt", ["nuq4", "int8"])
+def test_triton_equals_the_torch_twin_bit_for_bit(src_fmt, dst_fmt):
+    """On a GPU a transcode is the Triton dequantize kernel, then the quantize kernel (two launches)."""
+    pytest.importorskip("triton")
+    d, b, h = 64, 2, 3
+    for group, scale_dtype, (i0, i1), index, via in (
+        (64, torch.float16, (3, 4), 7, torch.float32),
+        (32, torch.float8_e4m3fn, (0, 5), 0, torch.bfloat16),
+    ):
+        src = _source(src_fmt, b, h, 9, d, 64, torch.float16, seed=group)
+        dst = _target(dst_fmt, b, h, 12, d, group, scale_dtype)
+        got = _run(src, dst, i0, i1, index, via, d, "triton")
+        want = _run(src, dst, i0, i1, index, via, d, "reference")
+        for name, x, y in zip(("codes", "scale", "zero"), got, want, strict=True):
+            assert _same(x, y), (src_fmt, dst_fmt, group, name)
+
+
 @needs_c
 def test_picks_the_c_call_on_cpu_and_composes_elsewhere():
     assert ops.backend_for("transcode", src_fmt="nuq4", dst_fmt="nuq2", head_dim=64) == "cpu"
