@@ -296,12 +296,16 @@ def quantize_append(
         )
         quantize_append_ref(x, codes, scale, zero, index, fmt, group_size, axis, static_scale=static_scale)
         return
-    if spec.triton_write() is None and spec.state_bits is not None:  # trellis: the spec around the kernel
+    if spec.triton_write() is None and spec.state_bits is not None:  # trellis: the search kernel
+        from kvquant.kernels.triton import trellis_write
         from kvquant.kernels.triton.trellis import trellis_encode_triton
 
-        quantize_append_ref(
-            x, codes, scale, zero, index, fmt, group_size, axis, encoder=trellis_encode_triton
-        )
+        if flag is not None and axis == "token" and trellis_write.fused(fmt, d, g, scale.dtype):
+            trellis_write.trellis_append(x, codes, scale, index, fmt=fmt, group=g, flag=flag)
+        else:  # the spec's scales in torch around it
+            quantize_append_ref(
+                x, codes, scale, zero, index, fmt, group_size, axis, encoder=trellis_encode_triton
+            )
         return
     static = resolve_static(scale, zero, codes, axis, static_scale)
     if static and not spec.takes_static_scale:

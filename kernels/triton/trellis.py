@@ -26,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -105,6 +107,12 @@ def _viterbi(y: torch.Tensor, table: torch.Tensor, bits: int, hist: torch.Tensor
     return codes, err
 
 
+@functools.cache
+def _history_shifts(m: int, bits: int, device: torch.device) -> torch.Tensor:
+    """``[m - 1]`` int32: the bit offset in the history word of the codes of channels ``r - m + 1 .. r - 1``."""
+    return torch.tensor([(m - 2 - i) * bits for i in range(m - 1)], dtype=torch.int32, device=device)
+
+
 def trellis_encode_triton(y: torch.Tensor, bits: int) -> torch.Tensor:
     """``bits``-bit trellis codes ``[N, D]`` (uint8) of ``y[N, D]`` (units of the scale) with the Triton
     Viterbi kernel: the codes of :func:`kvquant.formats.trellis.trellis_encode` (an ``Encoder``)."""
@@ -127,9 +135,10 @@ def trellis_encode_triton(y: torch.Tensor, bits: int) -> torch.Tensor:
             out[i : i + c] = codes[pick]
         else:  # the seam's m - 1 codes from a pass over the rotated circle, then the closed pass
             r = d // 2
-            first, _ = _viterbi(torch.roll(yc, r, dims=1).contiguous(), table, bits, None, 1)
-            hist = torch.zeros(c, dtype=torch.int32, device=y.device)
-            for j in range(m - 1):  # codes of channels D-1, D-2, ... (rotated: r-1, r-2, ...)
-                hist |= first[:, r - 1 - j].to(torch.int32) << (j * bits)
+            first, _ = _viterbi(torch.roll(yc, r, dims=1), table, bits, None, 1)
+            # the codes of channels D-1, D-2, ... (rotated: r-1, r-2, ...) at bits 0, bits, ...: one word
+            hist = (first[:, r - m + 1 : r].to(torch.int32) << _history_shifts(m, bits, y.device)).sum(
+                1, dtype=torch.int32
+            )
             out[i : i + c] = _viterbi(yc, table, bits, hist, 1)[0]
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvquant.formats import format_spec, quantize
+from kvquant.formats import QuantizedBlock, dequantize, format_spec, quantize
 from kvquant.formats.trellis import trellis_decode, trellis_encode_torch, trellis_table
 from kvquant.kernels import ops
 
@@ -62,6 +62,61 @@ def test_quantize_append_writes_the_spec_codes_and_scales(device):
     assert torch.equal(codes[:, :, 2:5], want.codes) and (codes[:, :, :2] == 0xA5).all()
     assert torch.equal(scale[:, :, 2:5].view(torch.uint8), want.scale.view(torch.uint8))
     assert scale[:, :, 5:].float().isnan().all()
+
+
+@pytest.mark.parametrize("fmt", ["tcq1", "tcq2", "tcq3"])
+@pytest.mark.parametrize(
+    ("d", "group", "scale_dtype"),
+    [
+        (64, 64, torch.float16),
+        (64, 32, torch.float8_e4m3fn),
+        (128, 64, torch.bfloat16),
+        (32, 16, torch.float32),
+    ],
+    ids=str,
+)
+def test_the_fused_write_equals_the_spec_bit_for_bit(fmt, d, group, scale_dtype, monkeypatch):
+    """The fused write (scale kernel, Viterbi, store kernel: no torch scales, no host sync) gives the
+    codes and scales of ``formats.quantize``: odd magnitudes per vector, an all-zero vector, a
+    vector with one large channel; nothing outside the written rows changes. fp32 scales keep the
+    last bit of a group's RMS, which the kernel sums in another order: the same squared error there
+    (to fp32 rounding), as for the codebook kernel."""
+    from kvquant.kernels.triton import trellis_write
+
+    calls = []
+    fused = trellis_write.trellis_append
+    monkeypatch.setattr(trellis_write, "trellis_append", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    g = torch.Generator().manual_seed(d + group)
+    x = torch.randn(2, 2, 3, d, generator=g) * torch.tensor([0.01, 1.0, 20.0])[None, None, :, None]
+    x[0, 1, 0] = 0.0
+    x[1, 0, 2, 5] = 10.0 * x[1, 0, 2].abs().max()  # (its group's scale still within fp8's 448)
+    spec = format_spec(fmt)
+    codes = torch.full((2, 2, 7, spec.code_width(d)), 0xA5, dtype=torch.uint8)
+    scale = torch.full((2, 2, 7, d // group), float("nan")).to(scale_dtype)
+    ops.quantize_append(x, codes, scale, None, 3, fmt=fmt, group_size=group, backend="triton")
+    assert calls, "the fused write did not run"
+    want = quantize(x, fmt, group_size=group, scale_dtype=scale_dtype)
+    if scale_dtype == torch.float32:
+        got = QuantizedBlock(codes[:, :, 3:6], scale[:, :, 3:6], None)
+        err, want_err = (
+            (dequantize(q, fmt, head_dim=d, group_size=group) - x).square().sum() for q in (got, want)
+        )
+        torch.testing.assert_close(err, want_err, rtol=1e-5, atol=0)
+    else:
+        assert torch.equal(codes[:, :, 3:6], want.codes)
+        assert torch.equal(scale[:, :, 3:6].view(torch.uint8), want.scale.view(torch.uint8))
+    assert (codes[:, :, :3] == 0xA5).all() and (codes[:, :, 6:] == 0xA5).all()
+    assert scale[:, :, :3].float().isnan().all() and scale[:, :, 6:].float().isnan().all()
+
+
+@pytest.mark.parametrize(("bad", "error"), [(float("nan"), "input: key/value"), (1e6, "scale_dtype")])
+def test_the_fused_write_flags_what_the_spec_refuses(bad, error):
+    x = torch.randn(1, 2, 2, 64)
+    x[0, 1, 1, 3] = bad  # 1e6: an RMS fp16 scales cannot hold
+    codes = torch.zeros(1, 2, 4, format_spec("tcq2").code_width(64), dtype=torch.uint8)
+    scale = torch.zeros(1, 2, 4, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match=error):
+        ops.quantize_append(x, codes, scale, None, 0, fmt="tcq2", group_size=64, backend="triton")
 
 
 def test_the_backend_says_what_it_searches():
