@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
 
     from kvquant.kernels.triton import decode_attention as da, dequantize as dq, quantize as qz, trellis as tk
+    from kvquant.kernels.triton import trellis_write as tw
 
     def build(fn, ptrs, floats, consts, num_warps):
         sig = {}
@@ -101,6 +102,13 @@ SCRIPT = textwrap.dedent(
         dequant("*u8", "*bf16", BITS=2, ZERO=True, CHANNEL=True, G=32),
         dequant("*u8", "*u8", LUT=1, SFP8=True, G=32, BT=1),
         dequant("*u8", "*fp16", BITS=3, LUT=2, M=3, D=64),
+        # the fused trellis write around the Viterbi kernel: units (bf16 keys, fp8 scales), store tcq2 / tcq3
+        build(tw.trellis_search_units_kernel, dict(p_x="*bf16", p_y="*fp32", p_flag="*i32"), (),
+              dict(D=128, G=32, SCALE_KIND=3), 4),
+        build(tw.trellis_store_kernel, dict(p_x="*bf16", p_q="*u8", p_tab="*fp32", p_codes="*u8", p_scale="*u8",
+              p_flag="*i32"), (), dict(D=128, G=32, BITS=2, M=4, SCALE_KIND=3), 4),
+        build(tw.trellis_store_kernel, dict(p_x="*fp16", p_q="*u8", p_tab="*fp32", p_codes="*u8",
+              p_scale="*fp16", p_flag="*i32"), (), dict(D=64, G=64, BITS=3, M=3, SCALE_KIND=1), 4),
     ]
     assert all("cubin" in k.asm for k in built)
     print("compiled", len(built))
@@ -117,4 +125,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     if proc.returncode and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this triton build ships no ptxas")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 21" in proc.stdout
+    assert "compiled 24" in proc.stdout
