@@ -144,3 +144,29 @@ def fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr):
     mag_s = rint(tl.minimum(a_s, 1 << MANT)).to(tl.int32)  # clamped: no int overflow where unused
     mag = tl.where(a_s < (1 << MANT), mag_s, mag_n)
     return (sign << 7) | mag
+
+
+@triton.jit
+def nonfinite(b):
+    """1 where ``b`` is NaN or +-inf, else 0 (int32)."""
+    return ((b != b) | (tl.abs(b) == float("inf"))).to(tl.int32)
+
+
+@triton.jit
+def store_codes(p_c, b_q, m_t, stride_cw, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Store ``BT`` rows of codes ``b_q [BT, D]`` (int32, channel order) at ``p_c [BT, 1]`` (row
+    pointers; ``m_t [BT]`` the rows to write), packed planar: byte ``j`` holds channels ``j, j + W, ...``
+    (``W = D * BITS / 8``); 3 bits as two planes, the low bit pairs like 2-bit codes, then the high
+    bits 8 per byte; 8 bits and wider one code per element."""
+    if BITS == 3:
+        b_lo = tl.sum(tl.reshape(b_q & 3, (BT, 4, D // 4)) << (tl.arange(0, 4) * 2)[None, :, None], axis=1)
+        b_hi = tl.sum(tl.reshape(b_q >> 2, (BT, 8, D // 8)) << tl.arange(0, 8)[None, :, None], axis=1)
+        o_lo, o_hi = tl.arange(0, D // 4), D // 4 + tl.arange(0, D // 8)
+        tl.store(p_c + o_lo[None, :] * stride_cw, b_lo.to(p_c.dtype.element_ty), mask=m_t[:, None])
+        tl.store(p_c + o_hi[None, :] * stride_cw, b_hi.to(p_c.dtype.element_ty), mask=m_t[:, None])
+    else:
+        PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
+        W: tl.constexpr = D // PB
+        if PB > 1:
+            b_q = tl.sum(tl.reshape(b_q, (BT, PB, W)) << (tl.arange(0, PB) * BITS)[None, :, None], axis=1)
+        tl.store(p_c + tl.arange(0, W)[None, :] * stride_cw, b_q.to(p_c.dtype.element_ty), mask=m_t[:, None])

@@ -44,8 +44,10 @@ from kvquant.kernels.triton._common import (
     e4m3_value,
     fp8_bits,
     is_pow2,
+    nonfinite,
     rint,
     round_to_scale_dtype,
+    store_codes,
 )
 
 
@@ -65,12 +67,6 @@ def _store_rows(p_base, b_val, i_b, i_h, index, i_t, o_t, o_d, m_t, stride_b, st
         o_g = tl.arange(0, NG)
         p = p + (index + o_t)[:, None] * stride_r + o_g[None, :] * stride_g
         tl.store(p, tl.reshape(b_val, (BT, NG)).to(p_base.dtype.element_ty), mask=m_t[:, None])
-
-
-@triton.jit
-def _nonfinite(b):
-    """1 where ``b`` is NaN or +-inf, else 0 (int32)."""
-    return ((b != b) | (tl.abs(b) == float("inf"))).to(tl.int32)
 
 
 @triton.jit
@@ -168,8 +164,6 @@ def quantize_append_kernel(
     i_bh, i_t = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NG: tl.constexpr = D // G
-    PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
-    W: tl.constexpr = D // PB
 
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # [BT]
     o_d = tl.arange(0, D)  # [D]
@@ -222,19 +216,7 @@ def quantize_append_kernel(
     b_q = tl.reshape(b_q, (BT, D))  # [BT, D] channel order
     p_c = p_codes + i_b.to(tl.int64) * stride_cb + i_h.to(tl.int64) * stride_ch
     p_c = p_c + (index + o_t)[:, None] * stride_ct
-    if BITS == 3:  # two planes: the low bit pairs packed like 2-bit codes, then the high bits 8 per byte
-        b_lo = tl.sum(tl.reshape(b_q & 3, (BT, 4, D // 4)) << (tl.arange(0, 4) * 2)[None, :, None], axis=1)
-        b_hi = tl.sum(tl.reshape(b_q >> 2, (BT, 8, D // 8)) << tl.arange(0, 8)[None, :, None], axis=1)
-        o_lo, o_hi = tl.arange(0, D // 4), D // 4 + tl.arange(0, D // 8)
-        tl.store(p_c + o_lo[None, :] * stride_cw, b_lo.to(p_codes.dtype.element_ty), mask=m_t[:, None])
-        tl.store(p_c + o_hi[None, :] * stride_cw, b_hi.to(p_codes.dtype.element_ty), mask=m_t[:, None])
-    else:
-        if PB > 1:  # planar packing: byte j <- channels j + k * W in bit field k
-            b_q = tl.reshape(b_q, (BT, PB, W))  # [BT, PB, W]
-            o_k = tl.arange(0, PB)
-            b_q = tl.sum(b_q << (o_k * BITS)[None, :, None], axis=1)  # [BT, W]
-        o_w = tl.arange(0, W)
-        tl.store(p_c + o_w[None, :] * stride_cw, b_q.to(p_codes.dtype.element_ty), mask=m_t[:, None])
+    store_codes(p_c, b_q, m_t, stride_cw, BT, D, BITS)
 
     # ---- scales / zero points
     if not STATIC:
@@ -246,11 +228,11 @@ def quantize_append_kernel(
 
     # ---- the deferred error flag: 2 non-finite input, 1 a stored scale / zero point not finite
     if FLAG:
-        code = tl.max(_nonfinite(b_x)) * 2  # (tokens past n were loaded as 0)
+        code = tl.max(nonfinite(b_x)) * 2  # (tokens past n were loaded as 0)
         if not STATIC:
-            code = tl.maximum(code, tl.max(_nonfinite(b_s)))
+            code = tl.maximum(code, tl.max(nonfinite(b_s)))
             if KIND == 2:
-                code = tl.maximum(code, tl.max(_nonfinite(b_z)))
+                code = tl.maximum(code, tl.max(nonfinite(b_z)))
         tl.atomic_max(p_flag, code, mask=code > 0)
 
 

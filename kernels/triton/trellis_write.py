@@ -32,13 +32,16 @@ import triton.language as tl
 
 from kvquant.formats import format_spec
 from kvquant.formats.trellis import check_channels, trellis_table
-from kvquant.kernels.triton._common import SCALE_KIND, as_bytes, e4m3_bits, round_to_scale_dtype
+from kvquant.kernels.triton._common import (
+    SCALE_KIND,
+    as_bytes,
+    e4m3_bits,
+    is_pow2,
+    nonfinite,
+    round_to_scale_dtype,
+    store_codes,
+)
 from kvquant.kernels.triton.trellis import trellis_encode_triton
-
-
-@triton.jit
-def _nonfinite(b):
-    return ((b != b) | (tl.abs(b) == float("inf"))).to(tl.int32)
 
 
 @triton.jit
@@ -64,9 +67,9 @@ def trellis_search_units_kernel(p_x, p_y, p_flag, n, H, stride_xb, stride_xh, st
     b_xg, _, _, _ = _row(r, n, H, p_x, stride_xb, stride_xh, stride_xt, stride_xd, D, G)
     b_s = _search(b_xg, G, SCALE_KIND)
     b_y = tl.div_rn(b_xg, b_s)
-    b_y = tl.where(_nonfinite(b_y) != 0, 0.0, b_y)  # (the flag reports it; the search runs on numbers)
+    b_y = tl.where(nonfinite(b_y) != 0, 0.0, b_y)  # (the flag reports it; the search runs on numbers)
     tl.store(p_y + r * stride_yn + tl.arange(0, D), tl.reshape(b_y, (D,)))
-    code = tl.maximum(tl.max(_nonfinite(b_xg)) * 2, tl.max(_nonfinite(b_s)))
+    code = tl.maximum(tl.max(nonfinite(b_xg)) * 2, tl.max(nonfinite(b_s)))
     tl.atomic_max(p_flag, code, mask=code > 0)
 
 
@@ -94,19 +97,9 @@ def trellis_store_kernel(p_x, p_q, p_tab, p_codes, p_scale, p_flag, index, n, H,
     b_dn = round_to_scale_dtype(b_raw, SCALE_KIND, False)
     b_sc = tl.where((b_dn > 0.0) & (b_raw - b_dn < b_up - b_raw), b_dn, b_up)
     b_sc = tl.where(tl.max(tl.abs(b_xg), axis=1)[:, None] == 0.0, 0.0, b_sc)  # [NG, 1]
-    # codes, planar: byte j holds channels j, j + W, ... (3 bits: the low pairs, then the high bits)
     p_c = p_codes + i_b * stride_cb + i_h * stride_ch + (index + i_t) * stride_ct
-    b_q2 = tl.reshape(b_q, (1, D))
-    if BITS == 3:
-        b_lo = tl.sum(tl.reshape(b_q2 & 3, (1, 4, D // 4)) << (tl.arange(0, 4) * 2)[None, :, None], axis=1)
-        b_hi = tl.sum(tl.reshape(b_q2 >> 2, (1, 8, D // 8)) << tl.arange(0, 8)[None, :, None], axis=1)
-        tl.store(p_c + tl.arange(0, D // 4) * stride_cw, tl.reshape(b_lo, (D // 4,)).to(tl.uint8))
-        tl.store(p_c + (D // 4 + tl.arange(0, D // 8)) * stride_cw, tl.reshape(b_hi, (D // 8,)).to(tl.uint8))
-    else:
-        PB: tl.constexpr = 8 // BITS
-        W: tl.constexpr = D // PB
-        b_pk = tl.sum(tl.reshape(b_q2, (1, PB, W)) << (tl.arange(0, PB) * BITS)[None, :, None], axis=1)
-        tl.store(p_c + tl.arange(0, W) * stride_cw, tl.reshape(b_pk, (W,)).to(tl.uint8))
+    p_c = p_c + tl.zeros((1, 1), tl.int64)  # [1, 1]: one row
+    store_codes(p_c, tl.reshape(b_q, (1, D)), tl.full((1,), 1, tl.int1), stride_cw, 1, D, BITS)
     b_out = tl.reshape(b_sc, (NG,))
     if SCALE_KIND == 3:
         b_out = e4m3_bits(b_out)
@@ -114,7 +107,7 @@ def trellis_store_kernel(p_x, p_q, p_tab, p_codes, p_scale, p_flag, index, n, H,
         p_scale + i_b * stride_sb + i_h * stride_sh + (index + i_t) * stride_st + tl.arange(0, NG) * stride_sg
     )
     tl.store(p_s, b_out.to(p_scale.dtype.element_ty))
-    code = tl.max(_nonfinite(b_sc))
+    code = tl.max(nonfinite(b_sc))
     tl.atomic_max(p_flag, code, mask=code > 0)
 
 
@@ -123,10 +116,10 @@ def fused(fmt: str, head_dim: int, group: int, scale_dtype: torch.dtype) -> bool
     powers of two with ``group`` dividing ``head_dim`` and ``head_dim`` a multiple of 8 codes per
     plane, a scale dtype the kernels round into."""
     spec = format_spec(fmt)
-    pow2 = head_dim > 0 and head_dim & (head_dim - 1) == 0 and group > 0 and group & (group - 1) == 0
     return (
         spec.state_bits is not None
-        and pow2
+        and is_pow2(head_dim)
+        and is_pow2(group)
         and group <= head_dim
         and head_dim >= 32
         and str(scale_dtype).removeprefix("torch.") in SCALE_KIND
