@@ -17,6 +17,9 @@
 #include <string.h>
 
 #include "kvq_common.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define BLOCK_T 64
 
@@ -37,7 +40,12 @@ static inline void load_f32(const void *p, int dtype, int64_t i, int n, float *r
         memcpy(dst, (const float *)p + i, sizeof(float) * (size_t)n);
     } else if (dtype == 1) {
         const _Float16 *hp = (const _Float16 *)p + i;
-        for (int k = 0; k < n; k++) dst[k] = (float)hp[k];
+        int k = 0;
+#if defined(__F16C__)
+        for (; k + 8 <= n; k += 8) /* eight at a time (a block's per-token scales: one or two of these) */
+            _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hp + k))));
+#endif
+        for (; k < n; k++) dst[k] = (float)hp[k];
     } else {
         const uint16_t *u = (const uint16_t *)p + i;
         for (int k = 0; k < n; k++) {
@@ -240,31 +248,17 @@ static void fold_zero_points(const kvq_operand *v, int v_fold, int64_t G, int64_
             for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g];
 }
 
-/* n consecutive scale / zero entries from p (stored as `dtype`, element i0) -> fp32 dst[0..n), n
- * <= 16: eight at a time through F16C (fp16) or the e4m3 table (fp8) where the build allows. */
-static inline void load_run16(const void *p, int dtype, int64_t i0, int64_t n, float *dst) {
-#if defined(__F16C__)
-    if (dtype == 1 && (n == 8 || n == 16)) {
-        const uint16_t *u = (const uint16_t *)p + i0;
-        for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(u + i))));
-        return;
-    }
-#endif
-    load_f32(p, dtype, i0, (int)n, dst);
-}
-
 /* Scales sv[i] and zero points zv[i] of tokens t0 + i, i < lanes (one per token; 0 from nt on and
- * zero points 0 without them). Consecutive per-token entries (the usual layout) convert as one run. */
+ * zero points 0 without them). Consecutive per-token entries (the usual layout) convert as one run
+ * (load_f32: F16C eight at a time, the e4m3 table), strided ones token by token. */
 static void token_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, int lanes,
                          float *sv, float *zv) {
-    for (int i = (int)nt; i < lanes; i++) sv[i] = zv[i] = 0.0f;
+    for (int i = 0; i < lanes; i++) sv[i] = zv[i] = 0.0f;
     if (o->scale_st == 1 && (!o->zero || o->zero_st == 1)) {
-        load_run16(o->scale, o->scale_dtype, b * o->scale_sb + h * o->scale_sh + t0, nt, sv);
-        if (o->zero) load_run16(o->zero, o->scale_dtype, b * o->zero_sb + h * o->zero_sh + t0, nt, zv);
-        else for (int64_t i = 0; i < nt; i++) zv[i] = 0.0f;
+        load_f32(o->scale, o->scale_dtype, b * o->scale_sb + h * o->scale_sh + t0, (int)nt, sv);
+        if (o->zero) load_f32(o->zero, o->scale_dtype, b * o->zero_sb + h * o->zero_sh + t0, (int)nt, zv);
         return;
     }
-    for (int i = 0; i < (int)nt; i++) sv[i] = zv[i] = 0.0f;
     for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 1, sv + i, zv + i);
 }
 
