@@ -8,6 +8,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 /* One quantized operand as a store holds it (mirrored by _Operand in build.py). */
 typedef struct {
     const uint8_t *codes;             /* [B, H, T, W] bytes, rows start at token 0 of the slice */
@@ -50,9 +54,39 @@ static inline float e4m3_to_f32(uint8_t b) {
 /* The normalized Walsh-Hadamard transform of one row r[0..d) in place, block-diagonal in blocks of
  * n = d & -d channels (the largest power of two dividing d; all of d when d is one), as
  * kvquant.kernels.reference.rotate_ref: for h = 1, 2, ..., n / 2, each block of 2h channels turns
- * its pairs (j, j + h) into (a + b, a - b); then every value times scale (1 / sqrt(n) in fp32). */
+ * its pairs (j, j + h) into (a + b, a - b); then every value times scale (1 / sqrt(n) in fp32).
+ * Rows of 16-channel vectors (AVX-512, d % 16 == 0): the passes h = 1, 2, 4, 8 inside each vector
+ * (its lanes' partners j ^ h by a permute, a + b on the lower lanes of each pair and a - b on the
+ * upper: the same IEEE operations, so the same bits), the wider ones between vectors. */
 static inline void fwht_row(float *r, int64_t d, float scale) {
-    for (int64_t h = 1; h < (d & -d); h *= 2)
+    const int64_t n = d & -d;
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        for (int64_t c = 0; c < d; c += 16) {
+            __m512 x = _mm512_loadu_ps(r + c); /* (d % 16 == 0: blocks of n >= 16, every pass applies) */
+            __m512 p = _mm512_permute_ps(x, 0xB1); /* h = 1: lanes 2i <-> 2i + 1 */
+            x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), 0xAAAA, p, x);
+            p = _mm512_permute_ps(x, 0x4E); /* h = 2: lane pairs */
+            x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), 0xCCCC, p, x);
+            p = _mm512_shuffle_f32x4(x, x, 0xB1); /* h = 4: 128-bit quarters 0 <-> 1, 2 <-> 3 */
+            x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), 0xF0F0, p, x);
+            p = _mm512_shuffle_f32x4(x, x, 0x4E); /* h = 8: 256-bit halves */
+            x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), 0xFF00, p, x);
+            _mm512_storeu_ps(r + c, x);
+        }
+        for (int64_t h = 16; h < n; h *= 2)
+            for (int64_t b = 0; b < d; b += 2 * h)
+                for (int64_t j = b; j < b + h; j += 16) {
+                    const __m512 u = _mm512_loadu_ps(r + j), v = _mm512_loadu_ps(r + j + h);
+                    _mm512_storeu_ps(r + j, _mm512_add_ps(u, v));
+                    _mm512_storeu_ps(r + j + h, _mm512_sub_ps(u, v));
+                }
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(r + c), s));
+        return;
+    }
+#endif
+    for (int64_t h = 1; h < n; h *= 2)
         for (int64_t b = 0; b < d; b += 2 * h)
             for (int64_t j = b; j < b + h; j++) {
                 const float u = r[j], v = r[j + h];
