@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -57,7 +57,8 @@ static inline float e4m3_to_f32(uint8_t b) {
  * its pairs (j, j + h) into (a + b, a - b); then every value times scale (1 / sqrt(n) in fp32).
  * Rows of 16-channel vectors (AVX-512, d % 16 == 0): the passes h = 1, 2, 4, 8 inside each vector
  * (its lanes' partners j ^ h by a permute, a + b on the lower lanes of each pair and a - b on the
- * upper: the same IEEE operations, so the same bits), the wider ones between vectors. */
+ * upper: the same IEEE operations, so the same bits), the wider ones between vectors; AVX2
+ * (d % 8 == 0): the same with 8 lanes. */
 static inline void fwht_row(float *r, int64_t d, float scale) {
     const int64_t n = d & -d;
 #if defined(__AVX512F__)
@@ -83,6 +84,29 @@ static inline void fwht_row(float *r, int64_t d, float scale) {
                 }
         const __m512 s = _mm512_set1_ps(scale);
         for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(r + c), s));
+        return;
+    }
+#elif defined(__AVX2__)
+    if (d % 8 == 0) { /* the same with 8 lanes: h = 1, 2, 4 inside each vector (sums and differences blended) */
+        for (int64_t c = 0; c < d; c += 8) {
+            __m256 x = _mm256_loadu_ps(r + c); /* (d % 8 == 0: blocks of n >= 8) */
+            __m256 p = _mm256_permute_ps(x, 0xB1);
+            x = _mm256_blend_ps(_mm256_add_ps(x, p), _mm256_sub_ps(p, x), 0xAA);
+            p = _mm256_permute_ps(x, 0x4E);
+            x = _mm256_blend_ps(_mm256_add_ps(x, p), _mm256_sub_ps(p, x), 0xCC);
+            p = _mm256_permute2f128_ps(x, x, 0x01);
+            x = _mm256_blend_ps(_mm256_add_ps(x, p), _mm256_sub_ps(p, x), 0xF0);
+            _mm256_storeu_ps(r + c, x);
+        }
+        for (int64_t h = 8; h < n; h *= 2)
+            for (int64_t b = 0; b < d; b += 2 * h)
+                for (int64_t j = b; j < b + h; j += 8) {
+                    const __m256 u = _mm256_loadu_ps(r + j), v = _mm256_loadu_ps(r + j + h);
+                    _mm256_storeu_ps(r + j, _mm256_add_ps(u, v));
+                    _mm256_storeu_ps(r + j + h, _mm256_sub_ps(u, v));
+                }
+        const __m256 s = _mm256_set1_ps(scale);
+        for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(r + c, _mm256_mul_ps(_mm256_loadu_ps(r + c), s));
         return;
     }
 #endif

@@ -11,7 +11,9 @@ import torch
 import kvquant.kernels.cpu as native
 import kvquant.kernels.cpu.build as build
 from kvquant.formats import format_spec, quantize
+from kvquant.kernels import ops
 from kvquant.kernels.chunked import decode_attention_torch
+from kvquant.kernels.reference import rotate_ref
 
 pytestmark = pytest.mark.skipif(not native.native_available(), reason="no C compiler: torch path only")
 
@@ -235,8 +237,6 @@ def test_native_quantize_is_bit_exact_with_the_torch_spec(fmt, scale_dtype, grou
 
 
 def test_native_quantize_refuses_what_the_spec_refuses():
-    from kvquant.kernels import ops
-
     buffers = _buffers("int4", 1, 1, 16, 8, 16, torch.float16)
     bad = torch.randn(1, 1, 2, 16)
     bad[0, 0, 1, 3] = float("nan")
@@ -321,3 +321,10 @@ def test_the_portable_c_path_matches_too(flag, monkeypatch, tmp_path):
     test_full_precision_tokens_masked_for_a_whole_block()
     test_native_quantize_is_bit_exact_with_the_torch_spec("int4", torch.float16, 16)
     test_native_quantize_is_bit_exact_with_the_torch_spec("int3", torch.bfloat16, None)
+    for d in (6, 16, 24, 64, 80, 96, 192):  # the rotation's 16- and 8-lane passes, and the scalar loop
+        x = torch.randn(37, d) * 3
+        assert torch.equal(ops.rotate(x, backend="cpu"), rotate_ref(x))
+    k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
+    mean = k.mean(2, keepdim=True)
+    got_k, got_v = ops.rotate_pair(k, v, mean=mean, backend="cpu")
+    assert torch.equal(got_k, rotate_ref(k - mean)) and torch.equal(got_v, rotate_ref(v))
