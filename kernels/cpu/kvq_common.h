@@ -57,14 +57,15 @@ static inline float e4m3_to_f32(uint8_t b) {
  * its pairs (j, j + h) into (a + b, a - b); then every value times scale (1 / sqrt(n) in fp32).
  * Rows of 16-channel vectors (AVX-512, d % 16 == 0): the passes h = 1, 2, 4, 8 inside each vector
  * (its lanes' partners j ^ h by a permute, a + b on the lower lanes of each pair and a - b on the
- * upper: the same IEEE operations, so the same bits), the wider ones between vectors; AVX2
- * (d % 8 == 0): the same with 8 lanes. */
+ * upper: the same IEEE operations, so the same bits), AVX2 (d % 8 == 0) h = 1, 2, 4 with 8 lanes;
+ * the wider passes and the scale by the loops every build runs. */
 static inline void fwht_row(float *r, int64_t d, float scale) {
     const int64_t n = d & -d;
+    int64_t h0 = 1; /* the first pass left to the loops below */
 #if defined(__AVX512F__)
-    if (d % 16 == 0) {
+    if (d % 16 == 0) { /* (blocks of n >= 16: every pass inside a vector applies) */
         for (int64_t c = 0; c < d; c += 16) {
-            __m512 x = _mm512_loadu_ps(r + c); /* (d % 16 == 0: blocks of n >= 16, every pass applies) */
+            __m512 x = _mm512_loadu_ps(r + c);
             __m512 p = _mm512_permute_ps(x, 0xB1); /* h = 1: lanes 2i <-> 2i + 1 */
             x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), 0xAAAA, p, x);
             p = _mm512_permute_ps(x, 0x4E); /* h = 2: lane pairs */
@@ -75,21 +76,12 @@ static inline void fwht_row(float *r, int64_t d, float scale) {
             x = _mm512_mask_sub_ps(_mm512_add_ps(x, p), 0xFF00, p, x);
             _mm512_storeu_ps(r + c, x);
         }
-        for (int64_t h = 16; h < n; h *= 2)
-            for (int64_t b = 0; b < d; b += 2 * h)
-                for (int64_t j = b; j < b + h; j += 16) {
-                    const __m512 u = _mm512_loadu_ps(r + j), v = _mm512_loadu_ps(r + j + h);
-                    _mm512_storeu_ps(r + j, _mm512_add_ps(u, v));
-                    _mm512_storeu_ps(r + j + h, _mm512_sub_ps(u, v));
-                }
-        const __m512 s = _mm512_set1_ps(scale);
-        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(r + c), s));
-        return;
+        h0 = 16;
     }
 #elif defined(__AVX2__)
-    if (d % 8 == 0) { /* the same with 8 lanes: h = 1, 2, 4 inside each vector (sums and differences blended) */
+    if (d % 8 == 0) { /* (blocks of n >= 8) h = 1, 2, 4: sums and differences blended */
         for (int64_t c = 0; c < d; c += 8) {
-            __m256 x = _mm256_loadu_ps(r + c); /* (d % 8 == 0: blocks of n >= 8) */
+            __m256 x = _mm256_loadu_ps(r + c);
             __m256 p = _mm256_permute_ps(x, 0xB1);
             x = _mm256_blend_ps(_mm256_add_ps(x, p), _mm256_sub_ps(p, x), 0xAA);
             p = _mm256_permute_ps(x, 0x4E);
@@ -98,19 +90,10 @@ static inline void fwht_row(float *r, int64_t d, float scale) {
             x = _mm256_blend_ps(_mm256_add_ps(x, p), _mm256_sub_ps(p, x), 0xF0);
             _mm256_storeu_ps(r + c, x);
         }
-        for (int64_t h = 8; h < n; h *= 2)
-            for (int64_t b = 0; b < d; b += 2 * h)
-                for (int64_t j = b; j < b + h; j += 8) {
-                    const __m256 u = _mm256_loadu_ps(r + j), v = _mm256_loadu_ps(r + j + h);
-                    _mm256_storeu_ps(r + j, _mm256_add_ps(u, v));
-                    _mm256_storeu_ps(r + j + h, _mm256_sub_ps(u, v));
-                }
-        const __m256 s = _mm256_set1_ps(scale);
-        for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(r + c, _mm256_mul_ps(_mm256_loadu_ps(r + c), s));
-        return;
+        h0 = 8;
     }
 #endif
-    for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t h = h0; h < n; h *= 2) /* (from h0 = 8 or 16 on: whole vectors, which the compiler forms) */
         for (int64_t b = 0; b < d; b += 2 * h)
             for (int64_t j = b; j < b + h; j++) {
                 const float u = r[j], v = r[j + h];
