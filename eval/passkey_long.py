@@ -1,7 +1,8 @@
 """Passkey accuracy of several caches at long contexts, one haystack prefill per prompt.
 
 ``kvquant eval --tasks retrieval`` prefills every prompt once per cache; at 4k-8k tokens on a CPU that
-prefill is nearly all the time. This runs :func:`~kvquant.eval.retrieval.passkey_accuracy_shared`
+prefill is nearly all the time. Each line and the table carry the first-token margin as well (see
+:mod:`kvquant.eval.retrieval`). This runs :func:`~kvquant.eval.retrieval.passkey_accuracy_shared`
 (the same prompts, the same answers, one prefill per prompt) on a model loaded by name, appending one
 JSON line per answer to ``--out`` and printing the accuracy table at the end::
 
@@ -51,8 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     res = passkey_accuracy_shared(
         model, tok, builds, lengths=lengths, trials=args.trials, digits=args.digits, on_answer=log
     )
-    head = ["cache", *[f"passkey @{n}" for n in lengths]]
-    rows = [[name, *[f"{r['accuracy'][str(n)]:.2f}" for n in lengths]] for name, r in res.items()]
+    head = ["cache", *[f"passkey @{n}" for n in lengths], *[f"margin @{n}" for n in lengths]]
+    rows = [
+        [
+            name,
+            *[f"{r['accuracy'][str(n)]:.2f}" for n in lengths],
+            *[f"{r['margin'][str(n)]:+.2f}" for n in lengths],
+        ]
+        for name, r in res.items()
+    ]
     print(table(head, rows, left=1))
     return 0
 

@@ -83,7 +83,7 @@ def table(head: list[str], rows: list[list[str]], left: int | None = None) -> st
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
     """``kvquant eval``'s table: one row per cache: quality, memory, speed (largest context, batch 1),
-    passkey accuracy and the free run (full-precision ppl of the cache's own greedy continuation, its
+    passkey accuracy and mean first-token margin (:mod:`kvquant.eval.retrieval`) and the free run (full-precision ppl of the cache's own greedy continuation, its
     ratio to DynamicCache's continuation's, mean first divergent position, share of identical tokens)."""
     speed_ctx = None
     for r in records:
@@ -99,7 +99,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     if speed_ctx is not None:
         head += [f"prefill ms @{speed_ctx}", f"tok/s @{speed_ctx}", "decode × dyn"]
     if lengths:
-        head += ["passkey " + "/".join(lengths)]
+        head += ["passkey " + "/".join(lengths), "margin " + "/".join(lengths)]
     free = next((r["free_run"] for r in records if r.get("free_run")), None)
     if free is not None:
         head += [f"free-run ppl ({free['tokens']} tok)", "× dyn", "diverges @", "same tokens"]
@@ -131,7 +131,9 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             cells += [cell(s.get("decode_x"), ".2f")]
         if lengths:
             acc = (r.get("retrieval") or {}).get("accuracy") or {}
+            margin = (r.get("retrieval") or {}).get("margin") or {}
             cells.append("/".join(cell(acc.get(n), ".2f") for n in lengths))
+            cells.append("/".join(cell(margin.get(n), "+.2f") for n in lengths))
         if free is not None:
             f = r.get("free_run") or {}
             cells += [cell(f.get("ppl"), ".3f"), cell(f.get("ppl_ratio"), ".3f")]

@@ -17,6 +17,11 @@ Through the cache: the haystack (everything before the question) is prefilled in
 question in a second call (so it attends to the *stored*, quantized haystack, as a follow-up question
 in a chat would), then ``digits + 2`` tokens are decoded greedily. A trial scores 1 when the first run
 of digits in the answer equals the key.
+
+Three trials per length are a coarse signal, so each answer also records ``margin``: at the question
+call, the logit of the true answer's first token less the largest other logit (> 0: greedy starts the
+answer; the failures seen start another sentence there). ``passkey_accuracy*`` report its mean per
+length as ``margin`` next to ``accuracy``: it moves before the accuracy does.
 """
 
 from __future__ import annotations
@@ -53,27 +58,45 @@ def passkey_prompt(tokenizer: Any, length: int, key: str, depth: float) -> tuple
 
 
 @torch.no_grad()
-def answer(model: Any, cache: Any, ids: torch.Tensor, question_len: int, new_tokens: int) -> list[int]:
-    """Greedy answer ids to prompt ``ids [L]``: haystack prefill, question call, then one token per step."""
+def answer(
+    model: Any, cache: Any, ids: torch.Tensor, question_len: int, new_tokens: int, *, first: int | None = None
+) -> list[int] | tuple[list[int], float]:
+    """Greedy answer ids to prompt ``ids [L]``: haystack prefill, question call, then one token per step
+    (with ``first``, also the margin: see :func:`answer_question`)."""
     device = next(model.parameters()).device
     model(input_ids=ids.to(device)[None, :-question_len], cache=cache, use_cache=True, logits_to_keep=1)
-    return answer_question(model, cache, ids, question_len, new_tokens)
+    return answer_question(model, cache, ids, question_len, new_tokens, first=first)
 
 
 @torch.no_grad()
 def answer_question(
-    model: Any, cache: Any, ids: torch.Tensor, question_len: int, new_tokens: int
-) -> list[int]:
-    """:func:`answer` after its haystack prefill (``cache`` holds ``ids[:-question_len]``)."""
+    model: Any, cache: Any, ids: torch.Tensor, question_len: int, new_tokens: int, *, first: int | None = None
+) -> list[int] | tuple[list[int], float]:
+    """:func:`answer` after its haystack prefill (``cache`` holds ``ids[:-question_len]``). With ``first``
+    (the true answer's first token id) returns ``(ids, margin)``: at the question call, that token's logit
+    less the largest other logit."""
     device = next(model.parameters()).device
     ids = ids.to(device)[None]
     out = model(input_ids=ids[:, -question_len:], cache=cache, use_cache=True, logits_to_keep=1)
+    margin = None if first is None else token_margin(out.logits[0, -1], first)
     got = []
     for _ in range(new_tokens):
         nxt = out.logits[:, -1:].argmax(-1)  # [1, 1]
         got.append(int(nxt))
         out = model(input_ids=nxt, cache=cache, use_cache=True)
-    return got
+    return got if first is None else (got, margin)
+
+
+def token_margin(logits: torch.Tensor, token: int) -> float:
+    """``logits [V]``: ``logits[token]`` less the largest other logit."""
+    logits = logits.float()
+    others = torch.cat([logits[:token], logits[token + 1 :]])
+    return float(logits[token] - others.max())
+
+
+def answer_first_token(tokenizer: Any, key: str) -> int:
+    """The id the true answer starts with after the question (``" <key>."``)."""
+    return tokenizer.encode(f" {key}.", add_special_tokens=False)[0]
 
 
 class _FanOut(DynamicCache):
@@ -115,16 +138,17 @@ def passkey_accuracy(
     seed: int = 0,
     progress: Callable | None = None,
 ) -> dict[str, Any]:
-    """Accuracy per length (``{"accuracy": {L: acc}, "answers": [...]}``) for caches from ``build_cache``."""
+    """Accuracy and mean first-token margin per length (``{"accuracy": {L: acc}, "margin": {L: m},
+    "answers": [...]}``) for caches from ``build_cache``."""
     cases = passkey_cases(lengths, trials, digits, seed)
     answers = []
     for case in progress(cases, desc="passkey", leave=False) if progress else cases:
         ids, q_len = passkey_prompt(tokenizer, case["length"], case["key"], case["depth"])
-        text = tokenizer.decode(
-            answer(model, build_cache(), ids, q_len, digits + 2), skip_special_tokens=True
-        )
-        answers.append({**case, "answer": text, "correct": _score(text, case["key"])})
-    return {"accuracy": _accuracy(answers, lengths), "answers": answers}
+        first = answer_first_token(tokenizer, case["key"])
+        got, margin = answer(model, build_cache(), ids, q_len, digits + 2, first=first)
+        text = tokenizer.decode(got, skip_special_tokens=True)
+        answers.append({**case, "answer": text, "correct": _score(text, case["key"]), "margin": margin})
+    return _summary(answers, lengths)
 
 
 def _accuracy(answers: list[dict[str, Any]], lengths: list[int]) -> dict[str, float]:
@@ -133,6 +157,22 @@ def _accuracy(answers: list[dict[str, Any]], lengths: list[int]) -> dict[str, fl
         hits = [a["correct"] for a in answers if a["length"] == length]
         accuracy[str(length)] = sum(hits) / len(hits)
     return accuracy
+
+
+def _mean_margin(answers: list[dict[str, Any]], lengths: list[int]) -> dict[str, float]:
+    out = {}
+    for length in lengths:
+        m = [a["margin"] for a in answers if a["length"] == length]
+        out[str(length)] = sum(m) / len(m)
+    return out
+
+
+def _summary(answers: list[dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
+    return {
+        "accuracy": _accuracy(answers, lengths),
+        "margin": _mean_margin(answers, lengths),
+        "answers": answers,
+    }
 
 
 @torch.no_grad()
@@ -149,7 +189,8 @@ def passkey_accuracy_shared(
 ) -> dict[str, dict[str, Any]]:
     """:func:`passkey_accuracy` of every cache of ``builds`` (name -> factory), one haystack prefill per
     prompt (see the module docstring). ``on_answer(name, answer)`` is called as each answer is known
-    (prompts in order of ``lengths``, then trials). Returns ``{name: {"accuracy": ..., "answers": ...}}``.
+    (prompts in order of ``lengths``, then trials). Returns ``{name: {"accuracy": ..., "margin": ...,
+    "answers": ...}}``.
 
     Example:
         >>> builds = {"dynamic": lambda: DynamicCache(config=model.config),
@@ -167,12 +208,13 @@ def passkey_accuracy_shared(
             use_cache=True,
             logits_to_keep=1,
         )
+        first = answer_first_token(tokenizer, case["key"])
         for name, cache in caches.items():
-            got = answer_question(model, cache, ids, q_len, digits + 2)
+            got, margin = answer_question(model, cache, ids, q_len, digits + 2, first=first)
             text = tokenizer.decode(got, skip_special_tokens=True)
-            record = {**case, "answer": text, "correct": _score(text, case["key"])}
+            record = {**case, "answer": text, "correct": _score(text, case["key"]), "margin": margin}
             answers[name].append(record)
             if on_answer is not None:
                 on_answer(name, record)
         del caches
-    return {name: {"accuracy": _accuracy(a, lengths), "answers": a} for name, a in answers.items()}
+    return {name: _summary(a, lengths) for name, a in answers.items()}

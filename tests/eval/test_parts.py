@@ -188,6 +188,20 @@ def test_bytes_at_16bit_count_full_precision_tokens_at_two_bytes(tiny):
     assert cache_nbytes_16bit(half) == cache_nbytes(half) == cache_nbytes_16bit(quant)
 
 
+def test_passkey_margin_is_the_lead_of_the_answers_first_token(tiny, byte_tok):
+    from kvquant.eval.retrieval import answer, answer_first_token, passkey_prompt
+
+    ids, q_len = passkey_prompt(byte_tok, 360, "123", 0.5)
+    first = answer_first_token(byte_tok, "123")
+    for build in (lambda: DynamicCache(config=tiny.config), lambda: KVQuantCache(tiny.config, "int4")):
+        got, margin = answer(tiny, build(), ids, q_len, 3, first=first)
+        assert (margin > 0) == (got[0] == first)
+        again, lead = answer(tiny, build(), ids, q_len, 3, first=got[0])  # greedy's own first token
+        assert again == got and lead >= 0
+        if got[0] != first:
+            assert margin < 0
+
+
 def test_shared_prefill_passkey_gives_each_cache_its_own_answers(tiny, byte_tok):
     from kvquant.eval.retrieval import _FanOut, passkey_accuracy, passkey_accuracy_shared
 
