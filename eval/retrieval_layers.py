@@ -1,0 +1,154 @@
+"""Retrieval layers: the layers whose keys a quantized cache must keep finer to retrieve from long context.
+
+Passkey retrieval at low bits fails on the keys, and on few layers. On SmolLM2 at 4,096 tokens (6
+prompts): ``tcq2-recent`` answers 2 / 6; with full-precision values still 1 / 6, with full-precision
+keys 6 / 6, and with full-precision keys in layer 18 alone 5 / 6. The keys of that layer look like
+every other layer's to the quantizer (the same relative error, kurtosis and offsets): what differs
+is that a retrieval head reads them. So the layers cannot be found from the keys: they are found by
+asking the model, once per model, like a key map.
+
+:func:`find_retrieval_layers` runs a greedy search on synthetic passkey prompts
+(:mod:`kvquant.eval.retrieval`; a seed other than the evaluation's, so the evaluation stays held out).
+Each prompt's haystack is prefilled once through a ``DynamicCache``; every candidate cache is filled
+from those keys and values (the call a prefill makes) and scored by the question call alone: the
+margin of the true answer's first token (its logit less the largest other). Each round adds the layer
+whose keys, in ``protect_format``, raise the mean margin most, until it is within ``tolerance`` of the
+full-precision cache's or ``max_layers`` are chosen. The result is the cache's config with those
+layers' ``key_format`` overridden (:attr:`KVQuantConfig.layer_overrides`).
+
+Example:
+    >>> found = find_retrieval_layers(model, tok, KVQuantConfig.resolve("tcq2-recent"))
+    >>> found.layers, found.config.layer_overrides
+    ([18, ...], {18: {'key_format': 'nuq4'}, ...})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvquant.cache import KVQuantCache
+from kvquant.config import KVQuantConfig
+from kvquant.eval.retrieval import answer_first_token, passkey_cases, passkey_prompt, token_margin
+
+
+@dataclasses.dataclass
+class RetrievalLayers:
+    """What :func:`find_retrieval_layers` found.
+
+    Attributes:
+        layers: the chosen layer indices, in the order they were added.
+        config: the input config with those layers' ``key_format`` set to the protected format.
+        reference: mean first-token margin of the full-precision cache over the prompts.
+        margins: mean margin after each round (``margins[0]``: the input config).
+        gains: per round, ``{layer: mean margin}`` of every candidate tried.
+    """
+
+    layers: list[int]
+    config: KVQuantConfig
+    reference: float
+    margins: list[float]
+    gains: list[dict[int, float]]
+
+
+@dataclasses.dataclass
+class _Prompt:
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [1, H, n, D] of the haystack
+    question: torch.Tensor  # [1, q] ids
+    first: int  # the true answer's first token
+
+
+@torch.no_grad()
+def find_retrieval_layers(
+    model: Any,
+    tokenizer: Any,
+    config: KVQuantConfig,
+    *,
+    length: int = 4096,
+    trials: int = 4,
+    digits: int = 5,
+    seed: int = 1,
+    protect_format: str = "nuq4",
+    max_layers: int = 3,
+    tolerance: float = 0.1,
+    progress: Callable[[str], None] | None = None,
+) -> RetrievalLayers:
+    """Layers whose keys ``config`` should keep in ``protect_format`` for passkey retrieval (see the
+    module docstring).
+
+    Args:
+        model: a causal LM (its attention implementation is the one scored).
+        config: the cache config to protect; layers it already stores keys of in ``protect_format``
+            or finer are still candidates (the margin decides).
+        length: tokens per prompt (at most the model's context).
+        trials: prompts, at depths ``(i + 0.5) / trials`` of the haystack.
+        seed: prompt seed; the evaluation (``kvquant eval --tasks retrieval``) uses 0.
+        protect_format: the key format of a chosen layer (one of :data:`kvquant.formats.FORMAT_NAMES`).
+        max_layers: at most this many layers are chosen.
+        tolerance: stop once the mean margin is within this many logits of the full-precision one.
+        progress: called with one line per round.
+
+    Returns:
+        A :class:`RetrievalLayers`.
+    """
+    n_layers = model.config.num_hidden_layers
+    dataclasses.replace(config, key_format=protect_format)  # validates the format, before the long part
+    if max_layers < 0:
+        raise ValueError(f"max_layers: expected an integer >= 0, got {max_layers}")
+    prompts = [_prefill(model, tokenizer, case) for case in passkey_cases([length], trials, digits, seed)]
+    reference = _mean_margin(model, prompts, lambda: DynamicCache(config=model.config))
+    chosen: list[int] = []
+    current = config
+    margins = [_mean_margin(model, prompts, lambda: KVQuantCache(model.config, current))]
+    gains: list[dict[int, float]] = []
+    if progress:
+        progress(f"full precision {reference:+.3f}; {config.name} {margins[0]:+.3f}")
+    while len(chosen) < max_layers and margins[-1] < reference - tolerance:
+        tried = {}
+        for layer in range(n_layers):
+            if layer in chosen:
+                continue
+            cand = _protected(current, layer, protect_format)
+            tried[layer] = _mean_margin(model, prompts, lambda c=cand: KVQuantCache(model.config, c))
+        best = max(tried, key=tried.__getitem__)
+        gains.append(tried)
+        if tried[best] <= margins[-1]:  # no layer helps: stop rather than spend bits
+            break
+        chosen.append(best)
+        current = _protected(current, best, protect_format)
+        margins.append(tried[best])
+        if progress:
+            progress(f"round {len(chosen)}: layer {best} -> {tried[best]:+.3f}")
+    return RetrievalLayers(chosen, current, reference, margins, gains)
+
+
+def _protected(config: KVQuantConfig, layer: int, fmt: str) -> KVQuantConfig:
+    over = {i: dict(f) for i, f in config.layer_overrides.items()}
+    over[layer] = {**over.get(layer, {}), "key_format": fmt}
+    return dataclasses.replace(config, layer_overrides=dict(sorted(over.items())))
+
+
+def _prefill(model: Any, tokenizer: Any, case: dict[str, Any]) -> _Prompt:
+    device = next(model.parameters()).device
+    ids, q_len = passkey_prompt(tokenizer, case["length"], case["key"], case["depth"])
+    cache = (
+        DynamicCache()
+    )  # no config: every layer keeps every token (sliding ones too), as a prefill hands them
+    model(input_ids=ids.to(device)[None, :-q_len], cache=cache, use_cache=True, logits_to_keep=1)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    return _Prompt(kv, ids.to(device)[None, -q_len:], answer_first_token(tokenizer, case["key"]))
+
+
+def _mean_margin(model: Any, prompts: list[_Prompt], build: Callable[[], Any]) -> float:
+    total = 0.0
+    for p in prompts:
+        cache = build()
+        for i, (k, v) in enumerate(p.kv):  # the update a prefill makes, from the same keys / values
+            cache.update(k, v, i)
+        out = model(input_ids=p.question, cache=cache, use_cache=True, logits_to_keep=1)
+        total += token_margin(out.logits[0, -1], p.first)
+    return total / len(prompts)

@@ -1,0 +1,67 @@
+"""The retrieval-layer search (kvquant.eval.retrieval_layers) on the tiny random Llama."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvquant import KVQuantCache
+from kvquant.config import KVQuantConfig
+from kvquant.eval.retrieval import answer, answer_first_token, passkey_cases, passkey_prompt
+from kvquant.eval.retrieval_layers import find_retrieval_layers
+
+KW = {"length": 360, "trials": 2, "digits": 3}
+
+
+def _margin_by_prefill(model, tok, config, seed):
+    """The mean margin through the real path: each prompt prefilled into the cache, then answered."""
+    total = 0.0
+    cases = passkey_cases([KW["length"]], KW["trials"], KW["digits"], seed)
+    for case in cases:
+        ids, q_len = passkey_prompt(tok, case["length"], case["key"], case["depth"])
+        cache = DynamicCache(config=model.config) if config is None else KVQuantCache(model.config, config)
+        _, m = answer(model, cache, ids, q_len, 1, first=answer_first_token(tok, case["key"]))
+        total += m
+    return total / len(cases)
+
+
+def test_the_search_scores_what_a_prefill_gives_and_protects_the_keys_until_the_reference(tiny, byte_tok):
+    # keys in 2 bits, values exact: protecting every layer's keys with "none" is the full-precision cache
+    cfg = KVQuantConfig(key_format="int2", value_format="none", name="k2")
+    n = tiny.config.num_hidden_layers
+    seed = 5  # prompts where 2-bit keys lower the margin (by 0.033) on this model
+    found = find_retrieval_layers(
+        tiny, byte_tok, cfg, protect_format="none", max_layers=n, tolerance=1e-4, seed=seed, **KW
+    )
+    with torch.no_grad():
+        assert found.reference == pytest.approx(_margin_by_prefill(tiny, byte_tok, None, seed), abs=1e-4)
+        assert found.margins[0] == pytest.approx(_margin_by_prefill(tiny, byte_tok, cfg, seed), abs=1e-4)
+        last = _margin_by_prefill(tiny, byte_tok, found.config, seed)
+        assert found.margins[-1] == pytest.approx(last, abs=1e-4)
+    assert found.margins[0] < found.reference - 0.01
+    assert abs(found.margins[-1] - found.reference) <= 1e-4  # and the search got back to it
+    assert all(
+        b > a for a, b in zip(found.margins, found.margins[1:], strict=False)
+    )  # each chosen layer helped
+    assert found.config.layer_overrides == {i: {"key_format": "none"} for i in sorted(found.layers)}
+    for layers, best in zip(found.gains, found.layers, strict=False):
+        assert max(layers, key=layers.__getitem__) == best
+
+
+def test_the_search_keeps_the_configs_own_overrides_and_checks_its_arguments(tiny, byte_tok):
+    cfg = KVQuantConfig(
+        key_format="int2", value_format="int2", layer_overrides={0: {"value_format": "int8"}}, name="k2"
+    )
+    found = find_retrieval_layers(tiny, byte_tok, cfg, max_layers=1, tolerance=-1e9, seed=5, **KW)
+    assert len(found.layers) <= 1
+    for i in found.layers:
+        assert found.config.layer_overrides[i]["key_format"] == "nuq4"
+    assert found.config.layer_overrides[0]["value_format"] == "int8"
+    assert dataclasses.replace(found.config, layer_overrides={}) == dataclasses.replace(
+        cfg, layer_overrides={}
+    )
+    with pytest.raises(ValueError, match="key_format"):
+        find_retrieval_layers(tiny, byte_tok, cfg, protect_format="int5", **KW)
+    with pytest.raises(ValueError, match="max_layers"):
+        find_retrieval_layers(tiny, byte_tok, cfg, max_layers=-1, **KW)
