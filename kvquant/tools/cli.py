@@ -302,6 +302,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvquant.models import load_model
     from kvquant.tools.calibrate import calibrate_key_map, calibrate_static_scales
 
+    if args.retrieval:
+        return _calibrate_retrieval(args)
     if args.key_map:
         cfg = check_cache("--cache", args.cache)
     else:
@@ -328,9 +330,55 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_retrieval(args: argparse.Namespace) -> int:
+    """``kvquant calibrate --retrieval``: the cache's config with its retrieval layers' keys protected."""
+    from kvquant.eval.retrieval_layers import find_retrieval_layers
+    from kvquant.formats import FORMAT_NAMES
+    from kvquant.models import load_model
+
+    cfg = check_cache("--cache", args.cache)
+    if args.protect_format not in FORMAT_NAMES:
+        raise ValueError(
+            f"--protect-format: invalid value {args.protect_format!r}; allowed: {', '.join(FORMAT_NAMES)}"
+        )
+    check_output_file("--out", args.out)
+    model, tok = flagged("--model", load_model, args.model)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and args.length > limit:
+        raise ValueError(f"--length: {args.length} is above the model's context ({limit})")
+    start = time.perf_counter()
+    found = find_retrieval_layers(
+        model,
+        tok,
+        cfg,
+        length=args.length,
+        trials=args.trials,
+        protect_format=args.protect_format,
+        max_layers=args.max_layers,
+        tolerance=args.tolerance,
+        progress=print,
+    )
+    minutes = (time.perf_counter() - start) / 60
+    out = dataclasses.replace(found.config, name=Path(args.out).stem)
+    head = [
+        f"# kvquant calibrate --retrieval --cache {args.cache} --length {args.length} --trials {args.trials} "
+        f"--protect-format {args.protect_format} --max-layers {args.max_layers} --tolerance {args.tolerance}",
+        f"# model: {args.model or 'smollm2 (embedded)'}; retrieval layers (keys in {args.protect_format}): "
+        f"{found.layers or 'none'}; for this model only; {minutes:.1f} min",
+        f"# passkey first-token margin, mean of {args.trials} prompts (seed 1): full precision "
+        f"{found.reference:+.3f}; {cfg.name} {found.margins[0]:+.3f}"
+        + "".join(f", +L{found.layers[i]} {m:+.3f}" for i, m in enumerate(found.margins[1:])),
+    ]
+    Path(args.out).write_text("\n".join(head) + "\n" + out.to_yaml())
+    print(f"wrote {args.out}: layers {found.layers or 'none'}; use it as --cache {args.out}")
+    return 0
+
+
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "calibrate", help="static per-(layer, head) int8 / fp8 scales, or key maps, from calibration text"
+        "calibrate",
+        help="static per-(layer, head) int8 / fp8 scales or key maps from calibration text, or the layers "
+        "passkey retrieval needs (--retrieval)",
     )
     p.add_argument("--model", default=None, help="HF id or local path (default: embedded SmolLM2)")
     p.add_argument(
@@ -360,7 +408,27 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--margin", type=float_above(0), default=1.0, help="multiplies the observed maximum (default: 1.0)"
     )
-    p.add_argument("--out", required=True, help="output file (.pt)")
+    p.add_argument(
+        "--retrieval",
+        action="store_true",
+        help="write --cache's config with the keys of the layers passkey retrieval needs kept in "
+        "--protect-format (a YAML cache config; kvquant.eval.retrieval_layers)",
+    )
+    p.add_argument(
+        "--length", type=int_at_least(256), default=4096, help="retrieval: prompt tokens (default: 4096)"
+    )
+    p.add_argument("--trials", type=int_at_least(1), default=4, help="retrieval: prompts (default: 4)")
+    p.add_argument(
+        "--protect-format", default="nuq4", help="retrieval: a chosen layer's key format (default: nuq4)"
+    )
+    p.add_argument("--max-layers", type=int_at_least(0), default=3, help="retrieval: at most (default: 3)")
+    p.add_argument(
+        "--tolerance",
+        type=float_above(0),
+        default=0.1,
+        help="retrieval: stop within this many logits of the full-precision margin (default: 0.1)",
+    )
+    p.add_argument("--out", required=True, help="output file (.pt; .yaml with --retrieval)")
     p.set_defaults(func=_cmd_calibrate)
 
 

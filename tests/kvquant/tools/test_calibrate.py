@@ -94,3 +94,28 @@ def test_cli_writes_a_key_map_a_cache_takes(tiny_model_dir, tmp_path, capsys):
     with torch.no_grad():
         model(input_ids=torch.randint(3, 100, (1, 40)), cache=cache, use_cache=True)
     assert cache.layers[0].transform.key_map is maps[0]  # the loaded map itself, shared
+
+
+def test_cli_writes_a_retrieval_config_a_cache_takes(tiny_model_dir, tmp_path, capsys):
+    from kvquant.config import KVQuantConfig
+    from kvquant.models import load_model
+    from kvquant.tools.cli import main
+
+    out = tmp_path / "ret.yaml"
+    argv = ["calibrate", "--retrieval", "--model", str(tiny_model_dir), "--cache", "int4", "--length", "360"]
+    argv += ["--trials", "2", "--max-layers", "1", "--tolerance", "1e-6", "--protect-format", "int8"]
+    assert main(argv + ["--out", str(out)]) == 0
+    assert f"use it as --cache {out}" in capsys.readouterr().out
+    text = out.read_text()
+    assert text.startswith("# kvquant calibrate --retrieval --cache int4 --length 360")
+    cfg = KVQuantConfig.resolve(str(out))
+    base = KVQuantConfig.resolve("int4")
+    assert cfg.name == "ret" and cfg.key_format == base.key_format and cfg.smoothing == base.smoothing
+    assert len(cfg.layer_overrides) <= 1
+    assert all(o == {"key_format": "int8"} for o in cfg.layer_overrides.values())
+    layers = "none" if not cfg.layer_overrides else str(list(cfg.layer_overrides))
+    assert f"retrieval layers (keys in int8): {layers}" in text
+    model, _ = load_model(str(tiny_model_dir))
+    cache = KVQuantCache(model.config, cfg)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 100, (1, 40)), cache=cache, use_cache=True)

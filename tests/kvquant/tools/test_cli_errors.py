@@ -160,6 +160,18 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "plan --weights-dtype foo": ("plan", ["--weights-dtype", "foo"], "--weights-dtype"),
     "tune --base nosuch": ("tune", ["--base", "nosuch"], "--base: config: no such preset"),
     "calibrate --format int4": ("calibrate", ["--format", "int4"], "--format"),
+    "calibrate --retrieval --protect-format int5": (
+        "calibrate",
+        ["--retrieval", "--protect-format", "int5"],
+        "--protect-format: invalid value 'int5'; allowed:",
+    ),
+    "calibrate --retrieval --length 100": ("calibrate", ["--retrieval", "--length", "100"], "--length"),
+    "calibrate --retrieval --tolerance 0": ("calibrate", ["--retrieval", "--tolerance", "0"], "--tolerance"),
+    "calibrate --retrieval --cache nosuch": (
+        "calibrate",
+        ["--retrieval", "--cache", "nosuch"],
+        "--cache: config: no such preset or YAML file 'nosuch'",
+    ),
     "no command": ("none", [], "COMMAND"),
     "unknown command": ("none", ["nosuch"], "invalid choice: 'nosuch'"),
     # ---------------------------------------------------------------- models
