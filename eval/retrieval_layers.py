@@ -11,9 +11,11 @@ asking the model, once per model, like a key map.
 (:mod:`kvquant.eval.retrieval`; a seed other than the evaluation's, so the evaluation stays held out).
 Each prompt's haystack is prefilled once through a ``DynamicCache``; every candidate cache is filled
 from those keys and values (the call a prefill makes) and scored by the question call alone: the
-margin of the true answer's first token (its logit less the largest other). Each round adds the layer
-whose keys, in ``protect_format``, raise the mean margin most, until it is within ``tolerance`` of the
-full-precision cache's or ``max_layers`` are chosen. The result is the cache's config with those
+margin of the true answer's first token (its logit less the largest other), capped at the
+full-precision cache's margin on that prompt (a prompt the cache already answers as well as full
+precision cannot hide another it fails). Each round adds the layer whose keys, in ``protect_format``,
+raise the mean capped margin most, until it is within ``tolerance`` of the full-precision mean or
+``max_layers`` are chosen. The result is the cache's config with those
 layers' ``key_format`` overridden (:attr:`KVQuantConfig.layer_overrides`).
 
 Example:
@@ -44,8 +46,9 @@ class RetrievalLayers:
         layers: the chosen layer indices, in the order they were added.
         config: the input config with those layers' ``key_format`` set to the protected format.
         reference: mean first-token margin of the full-precision cache over the prompts.
-        margins: mean margin after each round (``margins[0]``: the input config).
-        gains: per round, ``{layer: mean margin}`` of every candidate tried.
+        margins: mean capped margin after each round (``margins[0]``: the input config); at most
+            ``reference``.
+        gains: per round, ``{layer: mean capped margin}`` of every candidate tried.
     """
 
     layers: list[int]
@@ -100,10 +103,15 @@ def find_retrieval_layers(
     if max_layers < 0:
         raise ValueError(f"max_layers: expected an integer >= 0, got {max_layers}")
     prompts = [_prefill(model, tokenizer, case) for case in passkey_cases([length], trials, digits, seed)]
-    reference = _mean_margin(model, prompts, lambda: DynamicCache(config=model.config))
+    full = _margins(model, prompts, lambda: DynamicCache(config=model.config))  # [prompts]
+    reference = sum(full) / len(full)
+
+    def score(build: Callable[[], Any]) -> float:
+        return sum(min(m, r) for m, r in zip(_margins(model, prompts, build), full, strict=True)) / len(full)
+
     chosen: list[int] = []
     current = config
-    margins = [_mean_margin(model, prompts, lambda: KVQuantCache(model.config, current))]
+    margins = [score(lambda: KVQuantCache(model.config, current))]
     gains: list[dict[int, float]] = []
     if progress:
         progress(f"full precision {reference:+.3f}; {config.name} {margins[0]:+.3f}")
@@ -113,7 +121,7 @@ def find_retrieval_layers(
             if layer in chosen:
                 continue
             cand = _protected(current, layer, protect_format)
-            tried[layer] = _mean_margin(model, prompts, lambda c=cand: KVQuantCache(model.config, c))
+            tried[layer] = score(lambda c=cand: KVQuantCache(model.config, c))
         best = max(tried, key=tried.__getitem__)
         gains.append(tried)
         if tried[best] <= margins[-1]:  # no layer helps: stop rather than spend bits
@@ -143,12 +151,12 @@ def _prefill(model: Any, tokenizer: Any, case: dict[str, Any]) -> _Prompt:
     return _Prompt(kv, ids.to(device)[None, -q_len:], answer_first_token(tokenizer, case["key"]))
 
 
-def _mean_margin(model: Any, prompts: list[_Prompt], build: Callable[[], Any]) -> float:
-    total = 0.0
+def _margins(model: Any, prompts: list[_Prompt], build: Callable[[], Any]) -> list[float]:
+    margins = []
     for p in prompts:
         cache = build()
         for i, (k, v) in enumerate(p.kv):  # the update a prefill makes, from the same keys / values
             cache.update(k, v, i)
         out = model(input_ids=p.question, cache=cache, use_cache=True, logits_to_keep=1)
-        total += token_margin(out.logits[0, -1], p.first)
-    return total / len(prompts)
+        margins.append(token_margin(out.logits[0, -1], p.first))
+    return margins
