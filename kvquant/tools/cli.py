@@ -613,6 +613,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         Calibration,
         check_formats,
         load_sensitivity,
+        pins_from_config,
         prefill,
         save_sensitivity,
         tune,
@@ -630,8 +631,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     check_output_file("--out", args.out)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     flagged("--formats", check_formats, formats)
+    pins = None
+    if args.pin is not None:
+        pins = flagged("--pin", pins_from_config, check_cache("--pin", args.pin))
     corpus = flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
     model, tok = flagged("--model", load_model, args.model)
+    if pins is not None:
+        from kvquant.tools.tune import check_pins
+
+        flagged("--pin", check_pins, pins, model.config.get_text_config(decoder=True).num_hidden_layers)
     ids = make_windows(tokenize(tok, corpus.text), args.prefix_len, args.score_len, args.windows, args.corpus)
     started = time.perf_counter()
     sens = None
@@ -654,6 +662,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         sensitivity=sens,
         measure=args.measure,
+        pinned=pins,
         progress=not args.no_progress,
     )
     if args.sensitivity and sens is None:
@@ -665,6 +674,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         f"{args.prefix_len} --score-len {args.score_len} --formats {','.join(formats)}"
         + (f" --base {args.base}" if args.base else "")
         + (f" --key-map {args.key_map}" if args.key_map else "")
+        + (f" --pin {args.pin}" if args.pin else "")
         + (f" (sensitivities reused from {args.sensitivity})" if sens is not None else "")
         + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-layer formats for this model only; "
         f"tuned in {minutes:.1f} min"
@@ -729,6 +739,12 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "--no-verify",
         action="store_true",
         help="skip measuring the result against the best uniform configs",
+    )
+    p.add_argument(
+        "--pin",
+        default=None,
+        help="a config whose layer_overrides' key / value formats are kept (e.g. from kvquant calibrate "
+        "--retrieval); their bits count against the budget",
     )
     p.add_argument("--out", required=True, help="output config (.yaml)")
     p.add_argument("--name", default=None, help="the config's name (default: tuned)")

@@ -24,6 +24,11 @@
    configs of the menu within the same bits are measured jointly, in decode mode, on the
    calibration windows; if a uniform one measures lower, it is returned instead (with a note).
 
+Pins: ``pinned={"key": {18: "nuq4"}}`` keeps those tensors in those formats (e.g. the retrieval
+layers of ``kvquant calibrate --retrieval``, which KL on short windows does not see); their bytes
+count against the budget, the allocation spreads the rest, and the uniform configs it is checked
+against carry the same pins.
+
 Per-head formats: a :class:`~kvquant.KVQuantConfig` holds one format per layer and tensor (the
 heads of a layer share it), so the allocation is over layers x {K, V}. A tensor whose format has
 more bits than the recent window's (``int8`` over ``nuq4``) gets its recent window in that format
@@ -277,13 +282,22 @@ class TuneResult:
     met: bool
     measured: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    pinned: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def table(self) -> str:
-        """One line per layer: its formats and the KL each tensor adds in them."""
+        """One line per layer: its formats and the KL each tensor adds in them (``pinned``: kept in
+        that format by the caller; ``-``: a format outside the measured menu)."""
         lines = ["layer  key   value   KL(key)   KL(value)"]
         for i, (k, v) in enumerate(zip(self.formats["key"], self.formats["value"], strict=True)):
-            sk, sv = self.sensitivity["key"][k][i], self.sensitivity["value"][v][i]
-            lines.append(f"{i:5d}  {k:5s} {v:5s}  {sk:8.5f}  {sv:8.5f}")
+            cells = []
+            for t, f in (("key", k), ("value", v)):
+                kl = self.sensitivity[t].get(f)
+                cells.append(f"{kl[i]:8.5f}" if kl is not None else f"{'-':>8s}")
+            pins = [t for t in TENSORS if i in self.pinned.get(t, {})]
+            lines.append(
+                f"{i:5d}  {k:5s} {v:5s}  {cells[0]}  {cells[1]}"
+                + (f"  pinned: {', '.join(pins)}" if pins else "")
+            )
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -293,6 +307,8 @@ class TuneResult:
             f"keys: {mix['key']}; values: {mix['value']}; {self.bits:.3f} bits @16-bit at "
             f"{self.bits_tokens} tokens; predicted KL {self.predicted_kl:.4g} (additive) — {state} the budget"
         )
+        for t, layer_formats in self.pinned.items():
+            out += f"\npinned {t}s: " + ", ".join(f"layer {i} {f}" for i, f in layer_formats.items())
         if self.measured:
             out += "\nmeasured on the calibration windows (decode mode): " + ", ".join(
                 f"{name} KL {kl:.4g}" for name, kl in self.measured.items()
@@ -532,6 +548,37 @@ def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(formats))
 
 
+def check_pins(pinned: dict[str, dict[int, str]] | None, layers: int) -> dict[str, dict[int, str]]:
+    """``{tensor: {layer: format}}`` checked: tensors ``key`` / ``value``, layers ``0..layers-1``,
+    quantized formats; ``ValueError`` naming the first that is not."""
+    out: dict[str, dict[int, str]] = {}
+    allowed = ", ".join(n for n in FORMAT_NAMES if n != "none")
+    for t, layer_formats in (pinned or {}).items():
+        if t not in TENSORS:
+            raise ValueError(f"pinned: invalid tensor {t!r}; allowed: key, value")
+        for i, f in layer_formats.items():
+            if not isinstance(i, int) or not 0 <= i < layers:
+                raise ValueError(f"pinned: invalid {t} layer {i!r}; allowed: 0..{layers - 1}")
+            if f not in FORMAT_NAMES or f == "none":
+                raise ValueError(f"pinned: invalid {t} format {f!r} at layer {i}; allowed: {allowed}")
+        if layer_formats:
+            out[t] = dict(sorted(layer_formats.items()))
+    return out
+
+
+def pins_from_config(cfg: KVQuantConfig) -> dict[str, dict[int, str]]:
+    """The per-layer key / value formats of ``cfg``'s ``layer_overrides`` as pins (e.g. the output of
+    ``kvquant calibrate --retrieval``); ``ValueError`` when it has none."""
+    pins = {
+        t: {int(i): ov[f"{t}_format"] for i, ov in cfg.layer_overrides.items() if f"{t}_format" in ov}
+        for t in TENSORS
+    }
+    pins = {t: p for t, p in pins.items() if p}
+    if not pins:
+        raise ValueError(f"pin: config {cfg.name!r} has no layer_overrides with a key_format or value_format")
+    return pins
+
+
 def tune(
     model: Any,
     calib: Calibration,
@@ -544,6 +591,7 @@ def tune(
     verify: bool = True,
     sensitivity: dict[str, dict[str, list[float]]] | None = None,
     measure: str = "all",
+    pinned: dict[str, dict[int, str]] | None = None,
     progress: bool = False,
 ) -> TuneResult:
     """Per-layer key / value formats for ``calib``'s windows (see the module docstring).
@@ -559,6 +607,8 @@ def tune(
             the lowest (decode mode, calibration windows).
         sensitivity: reuse a previous result's measurements (same model, windows, base, menu).
         measure: ``scaled`` or ``all`` (see :func:`tensor_sensitivity`).
+        pinned: ``{tensor: {layer: format}}`` kept as given (any quantized format); their bytes
+            count against ``budget_bits``, their KL (when measured) against ``budget_kl``.
     """
     base_cfg = DEFAULT_BASE if base is None else KVQuantConfig.resolve(base)
     base_cfg = dataclasses.replace(base_cfg, layer_overrides={}, name="tuned")
@@ -566,46 +616,92 @@ def tune(
     if base_cfg.key_axis != "token":
         raise ValueError(f"base: key_axis {base_cfg.key_axis!r}; the tuner needs 'token'")
     layers, heads, head_dim = _geometry(model.config)
+    pins = check_pins(pinned, layers)
     tokens = calib.ids.shape[1] - 1 if bits_tokens is None else bits_tokens
     if tokens < 1:
         raise ValueError(f"bits_tokens: expected an integer >= 1, got {tokens}")
-    ref, costs = tensor_costs(base_cfg, formats, heads, head_dim, tokens)
+    priced = tuple(dict.fromkeys([*formats, *(f for p in pins.values() for f in p.values())]))
+    ref, costs = tensor_costs(base_cfg, priced, heads, head_dim, tokens)
     fp16 = tokens * heads * head_dim * 2 * 2  # 16-bit K + V bytes of one layer
     sens = sensitivity or tensor_sensitivity(
         model, calib, base_cfg, formats, measure=measure, progress=progress
     )
-    items = [{f: (costs[t][f], sens[t][f][i]) for f in formats} for i in range(layers) for t in TENSORS]
+    plan = _Plan(layers, ref, fp16, costs, sens, pins)
+    items = [
+        {f: (costs[t][f], plan.kl(t, f, i)) for f in ((pins[t][i],) if i in pins.get(t, {}) else formats)}
+        for i in range(layers)
+        for t in TENSORS
+    ]
     budget_cost = None if budget_bits is None else budget_bits * layers * fp16 / 16 - layers * ref
     choice, met = allocate(items, budget_cost=budget_cost, budget_kl=budget_kl)
     chosen = {t: choice[j::2] for j, t in enumerate(TENSORS)}
     cfg = build_config(base_cfg, chosen)
-    predicted = sum(sens[t][chosen[t][i]][i] for t in TENSORS for i in range(layers))
-    result = TuneResult(cfg, chosen, predicted, config_bits(cfg, model.config, tokens), tokens, sens, met)
+    result = TuneResult(
+        cfg,
+        chosen,
+        plan.predicted(chosen),
+        config_bits(cfg, model.config, tokens),
+        tokens,
+        sens,
+        met,
+        pinned=pins,
+    )
     if not met:
         result.notes.append("the budget is out of the menu's reach: the nearest allocation is returned")
     if verify and met:
-        _verify(model, calib, base_cfg, formats, costs, ref, fp16, layers, result)
+        _verify(model, calib, base_cfg, formats, plan, result)
     return result
 
 
-def _verify(model, calib, base, formats, costs, ref, fp16, layers, result) -> None:  # noqa: ANN001
-    """Measure the result and the (up to two) best-predicted uniform configs within its bits; keep
-    the lowest."""
+@dataclass
+class _Plan:
+    """Costs and measured KL of allocations: ``layers`` layers of ``ref`` bytes (both tensors on the
+    base's formats) plus each tensor's added cost; ``fp16``: one layer's 16-bit bytes."""
+
+    layers: int
+    ref: int
+    fp16: int
+    costs: dict[str, dict[str, int]]
+    sens: dict[str, dict[str, list[float]]]
+    pins: dict[str, dict[int, str]]
+
+    def kl(self, t: str, f: str, i: int) -> float:
+        measured = self.sens[t].get(f)
+        return measured[i] if measured is not None else 0.0  # a pin outside the menu: not measured
+
+    def uniform(self, k: str, v: str) -> dict[str, list[str]]:
+        """Every layer on ``k`` / ``v``, the pins excepted."""
+        return {
+            t: [self.pins.get(t, {}).get(i, f) for i in range(self.layers)]
+            for t, f in (("key", k), ("value", v))
+        }
+
+    def bits(self, chosen: dict[str, list[str]]) -> float:
+        added = sum(self.costs[t][f] for t in TENSORS for f in chosen[t])
+        return 16 * (self.layers * self.ref + added) / (self.layers * self.fp16)
+
+    def predicted(self, chosen: dict[str, list[str]]) -> float:
+        return sum(self.kl(t, f, i) for t in TENSORS for i, f in enumerate(chosen[t]))
+
+
+def _verify(model, calib, base, formats, plan: _Plan, result: TuneResult) -> None:  # noqa: ANN001
+    """Measure the result and the (up to two) best-predicted uniform configs within its bits (with
+    the same pins); keep the lowest."""
     uniform = []
     for k in formats:
         for v in formats:
-            bits = 16 * (ref + costs["key"][k] + costs["value"][v]) / fp16
-            if bits <= result.bits + 1e-9:
-                pred = sum(result.sensitivity["key"][k]) + sum(result.sensitivity["value"][v])
-                uniform.append((pred, k, v))
+            chosen = plan.uniform(k, v)
+            if plan.bits(chosen) <= result.bits + 1e-9:
+                uniform.append((plan.predicted(chosen), k, v))
     result.measured["tuned"] = best = decode_kl(model, calib, result.config)
     for _, k, v in sorted(uniform)[:2]:
-        chosen = {"key": [k] * layers, "value": [v] * layers}
+        chosen = plan.uniform(k, v)
         cfg = build_config(base, chosen)
-        kl = result.measured[f"uniform {k}/{v}"] = decode_kl(model, calib, cfg)
+        label = f"uniform {k}/{v}" + (" with the pins" if plan.pins else "")
+        kl = result.measured[label] = decode_kl(model, calib, cfg)
         if kl < best:
             best = kl
             result.config, result.formats = cfg, chosen
-            result.predicted_kl = sum(result.sensitivity["key"][k]) + sum(result.sensitivity["value"][v])
+            result.predicted_kl = plan.predicted(chosen)
             result.bits = config_bits(cfg, model.config, result.bits_tokens)
-            result.notes.append(f"the uniform {k}/{v} measured lower than the allocation: returned instead")
+            result.notes.append(f"the {label} measured lower than the allocation: returned instead")

@@ -25,6 +25,7 @@ from kvquant.tools.tune import (
     _probe_batch,
     allocate,
     build_config,
+    check_pins,
     config_bits,
     decode_kl,
     prefill,
@@ -208,6 +209,47 @@ def test_scaled_sensitivity_tracks_the_full_measurement(skewed):
         assert all(scaled.sensitivity[t]["nuq4"][i] < scaled.sensitivity[t]["tcq2"][i] for i in range(4))
 
 
+def test_pins_are_kept_and_their_bytes_count(skewed):
+    """A pinned tensor keeps its format (also one outside the menu), its bytes come out of the budget
+    (a costly pin leaves the other tensors fewer bits), and the uniform configs checked against
+    carry the pins too."""
+    calib = prefill(skewed, _windows(2), 48)
+    floor = build_config(BASE, {"key": ["tcq2", "tcq2", "tcq2", "int8"], "value": ["tcq2"] * 4})
+    top = build_config(BASE, {"key": ["tcq3"] * 4, "value": ["tcq3"] * 4})
+    budget = (config_bits(floor, skewed.config, 59) + config_bits(top, skewed.config, 59)) / 2
+    free = tune(skewed, calib, budget_bits=budget, base=BASE, formats=SMALL_MENU, measure="all", verify=False)
+    pins = {"key": {1: "tcq2", 3: "int8"}}
+    sens = free.sensitivity
+    pinned = tune(
+        skewed, calib, budget_bits=budget, base=BASE, formats=SMALL_MENU, sensitivity=sens, pinned=pins
+    )
+    assert pinned.formats["key"][1] == "tcq2" and pinned.formats["key"][3] == "int8"
+    assert pinned.met and pinned.bits <= budget + 1e-9
+    assert pinned.bits == pytest.approx(config_bits(pinned.config, skewed.config, 59))
+    rank = {"tcq2": 0, "tcq3": 1, "nuq4": 2}
+    rest = [(t, i) for t in ("key", "value") for i in range(4) if (t, i) not in {("key", 1), ("key", 3)}]
+    assert sum(rank[pinned.formats[t][i]] for t, i in rest) < sum(rank[free.formats[t][i]] for t, i in rest)
+    layer3 = KVQuantCache(skewed.config, pinned.config).layers[3]
+    assert layer3.config.key_format == "int8"
+    assert all("with the pins" in name for name in pinned.measured if name != "tuned")
+    assert "pinned keys: layer 1 tcq2, layer 3 int8" in pinned.summary()
+    row3 = pinned.table().splitlines()[4]
+    assert row3.startswith("    3  int8") and " - " in row3 and row3.endswith("pinned: key")
+
+
+@pytest.mark.parametrize(
+    ("pins", "message"),
+    [
+        ({"query": {0: "int8"}}, "pinned: invalid tensor 'query'; allowed: key, value"),
+        ({"key": {4: "int8"}}, "pinned: invalid key layer 4; allowed: 0..3"),
+        ({"value": {0: "none"}}, "pinned: invalid value format 'none' at layer 0; allowed:"),
+    ],
+)
+def test_bad_pins_name_the_field(pins, message):
+    with pytest.raises(ValueError, match=message):
+        check_pins(pins, 4)
+
+
 def test_tune_cli_writes_a_commented_loadable_config(tiny_model_dir, tmp_path, capsys):
     out, sens = tmp_path / "tuned.yaml", tmp_path / "sens.json"
     assert _TUNE_MENU == ",".join(MENU)
@@ -233,6 +275,36 @@ def test_tune_cli_writes_a_commented_loadable_config(tiny_model_dir, tmp_path, c
 def _write(path, cfg):
     cfg.to_yaml(path)
     return path
+
+
+def test_tune_cli_pin_keeps_a_configs_layer_formats(tiny_model_dir, tmp_path, capsys):
+    """``--pin FILE``: the layer_overrides' formats of a config (what ``kvquant calibrate --retrieval``
+    writes) are kept in the tuned config and named in its header."""
+    pin = _write(tmp_path / "r.yaml", dataclasses.replace(BASE, layer_overrides={1: {"key_format": "int8"}}))
+    out = tmp_path / "tuned.yaml"
+    args = [
+        "tune",
+        "--model",
+        str(tiny_model_dir),
+        "--budget-bits",
+        "6",
+        "--windows",
+        "1",
+        "--prefix-len",
+        "40",
+    ]
+    args += ["--score-len", "8", "--formats", "tcq2,tcq3", "--out", str(out), "--no-progress", "--no-verify"]
+    args += ["--base", str(_write(tmp_path / "base.yaml", BASE)), "--pin", str(pin)]
+    assert main(args) == 0, capsys.readouterr().err
+    cfg = KVQuantConfig.from_yaml(out)
+    assert cfg.layer_overrides[1]["key_format"] == "int8"
+    assert f"--pin {pin}" in out.read_text().splitlines()[0]
+    capsys.readouterr()
+    args[args.index(str(pin))] = "int4"  # a preset without layer_overrides: nothing to pin
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--pin: config 'int4' has no layer_overrides with a key_format or value_format" in err
+    assert err.count("\n") == 1
 
 
 def test_tune_cli_key_map_reaches_the_base_and_the_config(tiny_model_dir, tmp_path, capsys):

@@ -159,6 +159,7 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "eval --tasks foo": ("eval", ["--tasks", "foo"], "--tasks: unknown task 'foo'"),
     "plan --weights-dtype foo": ("plan", ["--weights-dtype", "foo"], "--weights-dtype"),
     "tune --base nosuch": ("tune", ["--base", "nosuch"], "--base: config: no such preset"),
+    "tune --pin nosuch": ("tune", ["--pin", "nosuch"], "--pin: config: no such preset or YAML file 'nosuch'"),
     "calibrate --format int4": ("calibrate", ["--format", "int4"], "--format"),
     "calibrate --retrieval --protect-format int5": (
         "calibrate",
