@@ -1,6 +1,7 @@
 """The retrieval-layer search (kvquant.eval.retrieval_layers) on the tiny random Llama."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,3 +71,19 @@ def test_the_search_keeps_the_configs_own_overrides_and_checks_its_arguments(tin
         find_retrieval_layers(tiny, byte_tok, cfg, protect_format="int5", **KW)
     with pytest.raises(ValueError, match="max_layers"):
         find_retrieval_layers(tiny, byte_tok, cfg, max_layers=-1, **KW)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs" / "retrieval").glob("*.yaml")))
+def test_shipped_retrieval_configs_protect_keys_on_smollm2(path):
+    """``configs/retrieval/smollm2-*.yaml`` (``kvquant calibrate --retrieval`` output, the ``--pin`` of
+    the tuned configs): a cache on SmolLM2's geometry accepts it, and its overrides hold keys only."""
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64
+    )
+    cfg = KVQuantConfig.from_yaml(path)
+    cache = KVQuantCache(smollm2, cfg)
+    assert cfg.layer_overrides and all(set(ov) == {"key_format"} for ov in cfg.layer_overrides.values())
+    for i in cfg.layer_overrides:
+        assert cache.layers[i].config.key_format == cfg.layer_overrides[i]["key_format"] != cfg.key_format
