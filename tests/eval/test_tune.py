@@ -272,6 +272,21 @@ def test_tune_cli_writes_a_commented_loadable_config(tiny_model_dir, tmp_path, c
     assert "tcq2" in capsys.readouterr().out
 
 
+def _small_tune(model_dir, budget: str) -> list[str]:
+    """``kvquant tune`` on the tiny model, one window of 40 prefilled tokens."""
+    return [
+        "tune",
+        "--model",
+        str(model_dir),
+        "--budget-bits",
+        budget,
+        "--windows",
+        "1",
+        "--prefix-len",
+        "40",
+    ]
+
+
 def _write(path, cfg):
     cfg.to_yaml(path)
     return path
@@ -282,17 +297,7 @@ def test_tune_cli_pin_keeps_a_configs_layer_formats(tiny_model_dir, tmp_path, ca
     writes) are kept in the tuned config and named in its header."""
     pin = _write(tmp_path / "r.yaml", dataclasses.replace(BASE, layer_overrides={1: {"key_format": "int8"}}))
     out = tmp_path / "tuned.yaml"
-    args = [
-        "tune",
-        "--model",
-        str(tiny_model_dir),
-        "--budget-bits",
-        "6",
-        "--windows",
-        "1",
-        "--prefix-len",
-        "40",
-    ]
+    args = _small_tune(tiny_model_dir, "6")
     args += ["--score-len", "8", "--formats", "tcq2,tcq3", "--out", str(out), "--no-progress", "--no-verify"]
     args += ["--base", str(_write(tmp_path / "base.yaml", BASE)), "--pin", str(pin)]
     assert main(args) == 0, capsys.readouterr().err
@@ -322,17 +327,7 @@ def test_tune_cli_key_map_reaches_the_base_and_the_config(tiny_model_dir, tmp_pa
     }
     save_key_map(tmp_path / "km.pt", maps)
     out = tmp_path / "tuned.yaml"
-    args = [
-        "tune",
-        "--model",
-        str(tiny_model_dir),
-        "--budget-bits",
-        "5",
-        "--windows",
-        "1",
-        "--prefix-len",
-        "40",
-    ]
+    args = _small_tune(tiny_model_dir, "5")
     args += ["--score-len", "8", "--formats", "tcq2,tcq3", "--out", str(out), "--no-progress", "--no-verify"]
     args += ["--base", str(_write(tmp_path / "base.yaml", BASE)), "--key-map", str(tmp_path / "km.pt")]
     assert main(args) == 0, capsys.readouterr().err
