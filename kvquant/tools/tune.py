@@ -60,6 +60,7 @@ from kvquant.memory import format_bits, layer_bytes, model_cache_bytes
 # nuq2 / nuq3 are left out: tcq2 / tcq3 hold the same bits with less error (kvquant/formats/trellis.py)
 MENU: tuple[str, ...] = ("tcq2", "tcq3", "nuq4", "int8")
 TENSORS = ("key", "value")
+_QUANTIZED = ", ".join(n for n in FORMAT_NAMES if n != "none")  # the formats a tensor can be tuned to
 # the recipe of the `*-recent` presets: 2-8 bit old tokens, a 64-token nuq4 window, 4 newest tokens
 # and 4 sinks in full precision; 8-bit scales, one per 32 key channels / per value head
 DEFAULT_BASE = KVQuantConfig(
@@ -539,12 +540,11 @@ def load_sensitivity(
 
 def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
     """The menu without repeats; ``ValueError`` naming the first format that is not a quantized one."""
-    allowed = ", ".join(n for n in FORMAT_NAMES if n != "none")
     if not formats:
-        raise ValueError(f"formats: empty; allowed: {allowed}")
+        raise ValueError(f"formats: empty; allowed: {_QUANTIZED}")
     for f in formats:
         if f not in FORMAT_NAMES or f == "none":
-            raise ValueError(f"formats: invalid value {f!r}; allowed: {allowed}")
+            raise ValueError(f"formats: invalid value {f!r}; allowed: {_QUANTIZED}")
     return tuple(dict.fromkeys(formats))
 
 
@@ -552,7 +552,6 @@ def check_pins(pinned: dict[str, dict[int, str]] | None, layers: int) -> dict[st
     """``{tensor: {layer: format}}`` checked: tensors ``key`` / ``value``, layers ``0..layers-1``,
     quantized formats; ``ValueError`` naming the first that is not."""
     out: dict[str, dict[int, str]] = {}
-    allowed = ", ".join(n for n in FORMAT_NAMES if n != "none")
     for t, layer_formats in (pinned or {}).items():
         if t not in TENSORS:
             raise ValueError(f"pinned: invalid tensor {t!r}; allowed: key, value")
@@ -560,7 +559,7 @@ def check_pins(pinned: dict[str, dict[int, str]] | None, layers: int) -> dict[st
             if not isinstance(i, int) or not 0 <= i < layers:
                 raise ValueError(f"pinned: invalid {t} layer {i!r}; allowed: 0..{layers - 1}")
             if f not in FORMAT_NAMES or f == "none":
-                raise ValueError(f"pinned: invalid {t} format {f!r} at layer {i}; allowed: {allowed}")
+                raise ValueError(f"pinned: invalid {t} format {f!r} at layer {i}; allowed: {_QUANTIZED}")
         if layer_formats:
             out[t] = dict(sorted(layer_formats.items()))
     return out
@@ -687,15 +686,12 @@ class _Plan:
 def _verify(model, calib, base, formats, plan: _Plan, result: TuneResult) -> None:  # noqa: ANN001
     """Measure the result and the (up to two) best-predicted uniform configs within its bits (with
     the same pins); keep the lowest."""
-    uniform = []
-    for k in formats:
-        for v in formats:
-            chosen = plan.uniform(k, v)
-            if plan.bits(chosen) <= result.bits + 1e-9:
-                uniform.append((plan.predicted(chosen), k, v))
+    uniform = [(k, v, plan.uniform(k, v)) for k in formats for v in formats]
+    within = sorted(
+        (u for u in uniform if plan.bits(u[2]) <= result.bits + 1e-9), key=lambda u: plan.predicted(u[2])
+    )
     result.measured["tuned"] = best = decode_kl(model, calib, result.config)
-    for _, k, v in sorted(uniform)[:2]:
-        chosen = plan.uniform(k, v)
+    for k, v, chosen in within[:2]:
         cfg = build_config(base, chosen)
         label = f"uniform {k}/{v}" + (" with the pins" if plan.pins else "")
         kl = result.measured[label] = decode_kl(model, calib, cfg)
