@@ -151,6 +151,22 @@ def flagged(flag: str, fn: Callable, *args, **kwargs):
         raise ValueError(f"{flag}: {msg}") from None
 
 
+def flagged_fields(flags: dict[str, str], fn: Callable, *args, **kwargs):
+    """``fn(*args)``, its ``ValueError`` ``"field: ..."`` reported under ``flags[field]``, the flag that
+    value came from (left as it is for a field with no flag).
+
+    Example::
+
+        flagged_fields({"base": "--base", "pinned": "--pin"}, tune, ...)  # "--pin: invalid key layer 99; ..."
+    """
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as exc:
+        msg = " ".join(str(exc).split())
+        field, sep, rest = msg.partition(": ")
+        raise ValueError(f"{flags[field]}: {rest}" if sep and field in flags else msg) from None
+
+
 def check_output_file(flag: str, path: str) -> None:
     """An output file that can be written: not a folder, its folder created (before any slow work)."""
     from kvquant.eval.config import check_output_dir

@@ -27,6 +27,7 @@ from kvquant.tools.arguments import (
     check_output_file,
     describe,
     flagged,
+    flagged_fields,
     float_above,
     float_in,
     int_at_least,
@@ -611,7 +612,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from kvquant.models import load_model
     from kvquant.tools.tune import (
         Calibration,
+        check_base,
         check_formats,
+        check_pins,
         load_sensitivity,
         pins_from_config,
         prefill,
@@ -628,6 +631,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
         base = flagged("--key-map", dataclasses.replace, base or DEFAULT_BASE, key_map=args.key_map)
         flagged("--key-map", load_key_map, args.key_map)  # (the base's other files: checked above)
+    flagged("--base", check_base, base)
     check_output_file("--out", args.out)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     flagged("--formats", check_formats, formats)
@@ -636,9 +640,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         pins = flagged("--pin", pins_from_config, check_cache("--pin", args.pin))
     corpus = flagged("--corpus", load_corpus, CorpusSection(name=args.corpus))
     model, tok = flagged("--model", load_model, args.model)
-    if pins is not None:
-        from kvquant.tools.tune import check_pins
-
+    if pins is not None:  # the layer range, before the prefill (tune checks it again)
         flagged("--pin", check_pins, pins, model.config.get_text_config(decoder=True).num_hidden_layers)
     ids = make_windows(tokenize(tok, corpus.text), args.prefix_len, args.score_len, args.windows, args.corpus)
     started = time.perf_counter()
@@ -650,8 +652,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         calib = Calibration(ids, args.prefix_len, None, torch.empty(0))
     else:
         calib = prefill(model, ids, args.prefix_len)
-    result = flagged(
-        "--formats",
+    result = flagged_fields(
+        {"formats": "--formats", "base": "--base", "pinned": "--pin", "model": "--model"},
         tune,
         model,
         calib,

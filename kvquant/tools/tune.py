@@ -538,6 +538,15 @@ def load_sensitivity(
     return data
 
 
+def check_base(base: KVQuantConfig | str | None) -> KVQuantConfig:
+    """``base`` resolved (default :data:`DEFAULT_BASE`), its ``layer_overrides`` dropped; ``ValueError``
+    naming ``base`` when the tuner cannot vary it per layer (per-channel keys)."""
+    cfg = DEFAULT_BASE if base is None else KVQuantConfig.resolve(base)
+    if cfg.key_axis != "token":
+        raise ValueError(f"base: key_axis {cfg.key_axis!r}; the tuner needs 'token'")
+    return dataclasses.replace(cfg, layer_overrides={}, name="tuned")
+
+
 def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
     """The menu without repeats; ``ValueError`` naming the first format that is not a quantized one."""
     if not formats:
@@ -609,11 +618,8 @@ def tune(
         pinned: ``{tensor: {layer: format}}`` kept as given (any quantized format); their bytes
             count against ``budget_bits``, their KL (when measured) against ``budget_kl``.
     """
-    base_cfg = DEFAULT_BASE if base is None else KVQuantConfig.resolve(base)
-    base_cfg = dataclasses.replace(base_cfg, layer_overrides={}, name="tuned")
+    base_cfg = check_base(base)
     formats = check_formats(formats)
-    if base_cfg.key_axis != "token":
-        raise ValueError(f"base: key_axis {base_cfg.key_axis!r}; the tuner needs 'token'")
     layers, heads, head_dim = _geometry(model.config)
     pins = check_pins(pinned, layers)
     tokens = calib.ids.shape[1] - 1 if bits_tokens is None else bits_tokens

@@ -160,6 +160,7 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "plan --weights-dtype foo": ("plan", ["--weights-dtype", "foo"], "--weights-dtype"),
     "tune --base nosuch": ("tune", ["--base", "nosuch"], "--base: config: no such preset"),
     "tune --pin nosuch": ("tune", ["--pin", "nosuch"], "--pin: config: no such preset or YAML file 'nosuch'"),
+    "tune --base kivi4": ("tune", ["--base", "kivi4"], "--base: key_axis 'channel'; the tuner needs 'token'"),
     "calibrate --format int4": ("calibrate", ["--format", "int4"], "--format"),
     "calibrate --retrieval --protect-format int5": (
         "calibrate",
