@@ -60,7 +60,8 @@ from kvquant.memory import format_bits, layer_bytes, model_cache_bytes
 # nuq2 / nuq3 are left out: tcq2 / tcq3 hold the same bits with less error (kvquant/formats/trellis.py)
 MENU: tuple[str, ...] = ("tcq2", "tcq3", "nuq4", "int8")
 TENSORS = ("key", "value")
-_QUANTIZED = ", ".join(n for n in FORMAT_NAMES if n != "none")  # the formats a tensor can be tuned to
+_QUANTIZED_NAMES = tuple(n for n in FORMAT_NAMES if n != "none")  # the formats a tensor can be tuned to
+_QUANTIZED = ", ".join(_QUANTIZED_NAMES)
 # the recipe of the `*-recent` presets: 2-8 bit old tokens, a 64-token nuq4 window, 4 newest tokens
 # and 4 sinks in full precision; 8-bit scales, one per 32 key channels / per value head
 DEFAULT_BASE = KVQuantConfig(
@@ -552,7 +553,7 @@ def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
     if not formats:
         raise ValueError(f"formats: empty; allowed: {_QUANTIZED}")
     for f in formats:
-        if f not in FORMAT_NAMES or f == "none":
+        if f not in _QUANTIZED_NAMES:
             raise ValueError(f"formats: invalid value {f!r}; allowed: {_QUANTIZED}")
     return tuple(dict.fromkeys(formats))
 
@@ -567,7 +568,7 @@ def check_pins(pinned: dict[str, dict[int, str]] | None, layers: int) -> dict[st
         for i, f in layer_formats.items():
             if not isinstance(i, int) or not 0 <= i < layers:
                 raise ValueError(f"pinned: invalid {t} layer {i!r}; allowed: 0..{layers - 1}")
-            if f not in FORMAT_NAMES or f == "none":
+            if f not in _QUANTIZED_NAMES:
                 raise ValueError(f"pinned: invalid {t} format {f!r} at layer {i}; allowed: {_QUANTIZED}")
         if layer_formats:
             out[t] = dict(sorted(layer_formats.items()))
