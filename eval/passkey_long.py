@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg.model.name = args.model
     cfg.validate()
     specs = [resolve_spec(c) for c in args.caches.split(",")]
+    names = [s.name for s in specs]
+    if len(set(names)) < len(names):  # answers are keyed by name: one would silently replace the other
+        twice = sorted({n for n in names if names.count(n) > 1})
+        p.error(
+            f"--caches: more than one cache is named {', '.join(map(repr, twice))}; give each YAML its own name:"
+        )
     model, tok = load_eval_model(cfg)
     lengths = resolve_lengths(cfg, model_max_context(model))
     start = time.perf_counter()
