@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(names)) < len(names):  # answers are keyed by name: one would silently replace the other
         twice = sorted({n for n in names if names.count(n) > 1})
         p.error(
-            f"--caches: more than one cache is named {', '.join(map(repr, twice))}; give each YAML its own name:"
+            f"--caches: more than one cache is named {', '.join(map(repr, twice))}; give each YAML file its own 'name' field"
         )
     model, tok = load_eval_model(cfg)
     lengths = resolve_lengths(cfg, model_max_context(model))
