@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg.validate()
     specs = [resolve_spec(c) for c in args.caches.split(",")]
     names = [s.name for s in specs]
-    if len(set(names)) < len(names):  # answers are keyed by name: one would silently replace the other
-        twice = sorted({n for n in names if names.count(n) > 1})
+    # answers are keyed by name: a second cache of one name would replace the first
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
         p.error(
             f"--caches: more than one cache is named {', '.join(map(repr, twice))}; give each YAML file its own 'name' field"
         )
