@@ -26,11 +26,16 @@ $(STAMP): pyproject.toml requirements-lock.txt
 
 # `pytest` (not `python -m pytest`): `-m` would put the repo root on sys.path, where kernels/ and eval/
 # would become top-level modules. Tests import the installed (editable) package only.
+# One pytest-xdist worker per core, at most 4 (each holds its own copy of the embedded model); a test
+# file goes to one worker, its tests in order as in one process; each worker runs torch on one thread
+# (tests/conftest.py). TEST_WORKERS=0: one process with torch's own threads.
+TEST_WORKERS ?= auto
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile $(if $(filter auto,$(TEST_WORKERS)),--maxprocesses 4)
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/pytest
+	HF_HUB_OFFLINE=1 $(BIN)/pytest $(PYTEST_WORKERS)
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -m "not slow"
+	HF_HUB_OFFLINE=1 $(BIN)/pytest $(PYTEST_WORKERS) -m "not slow"
 
 # lint-imports runs on a copy laid out as installed (kernels/ and eval/ are mapped under kvquant.)
 lint: $(STAMP)

@@ -1,6 +1,9 @@
 """Shared pytest setup: `gpu`-marked tests are skipped without CUDA; without CUDA the Triton kernels
 run under Triton's interpreter for the whole session (set here, before any test module can import
-``kvquant.kernels``: Triton reads the variable when ``@triton.jit`` decorates the kernels)."""
+``kvquant.kernels``: Triton reads the variable when ``@triton.jit`` decorates the kernels). In a
+pytest-xdist worker (``make test`` runs one per core) torch runs on one thread: workers that each
+keep an OpenMP pool as wide as the machine oversubscribe its cores (README, "Tests"). Tests of the
+threaded paths pass their thread counts explicitly."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
