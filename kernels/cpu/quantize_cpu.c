@@ -492,6 +492,54 @@ __attribute__((optimize("fp-contract=off"))) static void trellis_step_8(const fl
 }
 #endif
 
+#if defined(__AVX512F__)
+/* trellis_step_k 16 groups at a time (P % 16 == 0): the same IEEE operations in the same order, so the
+ * same costs and choices as the 8-wide step and the scalar loop. */
+__attribute__((optimize("fp-contract=off"), always_inline)) static inline void trellis_step16_k(
+    const float *restrict cost, float *restrict next, uint8_t *restrict back, const float *restrict table,
+    float yt, const int K, const int log2k, int P) {
+    const __m512 y = _mm512_set1_ps(yt);
+    const __m512i lane_group = _mm512_srli_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), (unsigned)log2k); /* l / K */
+    for (int p = 0; p < P; p += 16) {
+        __m512 bv = _mm512_loadu_ps(cost + p);
+        __m512i fv = _mm512_setzero_si512();
+        for (int j = 1; j < K; j++) {
+            const __m512 c = _mm512_loadu_ps(cost + j * P + p);
+            const __mmask16 lt = _mm512_cmp_ps_mask(c, bv, _CMP_LT_OQ); /* NaN: not less, as in C */
+            bv = _mm512_mask_blend_ps(lt, bv, c);
+            fv = _mm512_mask_blend_epi32(lt, fv, _mm512_set1_epi32(j));
+        }
+        _mm_storeu_si128((__m128i *)(back + p), _mm512_cvtepi32_epi8(fv)); /* the 16 choices as bytes */
+        for (int i = 0; i < K; i++) { /* the K * 16 states of these 16 groups, 16 at a time */
+            const int g = 16 / K * i; /* lane l: state s0 + l of group p + g + l / K */
+            const __m512 bb = _mm512_permutexvar_ps(_mm512_add_epi32(lane_group, _mm512_set1_epi32(g)), bv);
+            const int s0 = (p + g) * K;
+            const __m512 e = _mm512_sub_ps(y, _mm512_loadu_ps(table + s0));
+            _mm512_storeu_ps(next + s0, _mm512_add_ps(bb, _mm512_mul_ps(e, e)));
+        }
+    }
+}
+
+__attribute__((optimize("fp-contract=off"))) static void trellis_step16_2(const float *restrict cost, float *restrict next,
+                                                                         uint8_t *restrict back, const float *restrict table,
+                                                                         float yt, int P) {
+    trellis_step16_k(cost, next, back, table, yt, 2, 1, P);
+}
+
+__attribute__((optimize("fp-contract=off"))) static void trellis_step16_4(const float *restrict cost, float *restrict next,
+                                                                         uint8_t *restrict back, const float *restrict table,
+                                                                         float yt, int P) {
+    trellis_step16_k(cost, next, back, table, yt, 4, 2, P);
+}
+
+__attribute__((optimize("fp-contract=off"))) static void trellis_step16_8(const float *restrict cost, float *restrict next,
+                                                                         uint8_t *restrict back, const float *restrict table,
+                                                                         float yt, int P) {
+    trellis_step16_k(cost, next, back, table, yt, 8, 3, P);
+}
+#endif
+
 /* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
  * cost / next: [S] floats, back: [d * P] bytes; writes states[0..d) and returns the least error. */
 __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
@@ -506,7 +554,21 @@ __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
 #if defined(__AVX2__)
     const int wide = (K == 2 || K == 4 || K == 8) && P % 8 == 0 && P <= 1024;
 #endif
+#if defined(__AVX512F__)
+    const int wide16 = wide && P % 16 == 0;
+#endif
     for (int64_t t = 1; t < d; t++) {
+#if defined(__AVX512F__)
+        if (wide16) {
+            if (K == 8) trellis_step16_8(cost, next, back + t * P, table, y[t], P);
+            else if (K == 4) trellis_step16_4(cost, next, back + t * P, table, y[t], P);
+            else trellis_step16_2(cost, next, back + t * P, table, y[t], P);
+            float *tmp = cost;
+            cost = next;
+            next = tmp;
+            continue;
+        }
+#endif
 #if defined(__AVX2__)
         if (wide) {
             if (K == 8) trellis_step_8(cost, next, back + t * P, table, y[t], P);
