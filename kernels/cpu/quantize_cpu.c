@@ -521,23 +521,6 @@ __attribute__((optimize("fp-contract=off"), always_inline)) static inline void t
     }
 }
 
-__attribute__((optimize("fp-contract=off"))) static void trellis_step16_2(const float *restrict cost, float *restrict next,
-                                                                         uint8_t *restrict back, const float *restrict table,
-                                                                         float yt, int P) {
-    trellis_step16_k(cost, next, back, table, yt, 2, 1, P);
-}
-
-__attribute__((optimize("fp-contract=off"))) static void trellis_step16_4(const float *restrict cost, float *restrict next,
-                                                                         uint8_t *restrict back, const float *restrict table,
-                                                                         float yt, int P) {
-    trellis_step16_k(cost, next, back, table, yt, 4, 2, P);
-}
-
-__attribute__((optimize("fp-contract=off"))) static void trellis_step16_8(const float *restrict cost, float *restrict next,
-                                                                         uint8_t *restrict back, const float *restrict table,
-                                                                         float yt, int P) {
-    trellis_step16_k(cost, next, back, table, yt, 8, 3, P);
-}
 #endif
 
 /* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
@@ -560,9 +543,10 @@ __attribute__((optimize("fp-contract=off"))) static float trellis_pass(
     for (int64_t t = 1; t < d; t++) {
 #if defined(__AVX512F__)
         if (wide16) {
-            if (K == 8) trellis_step16_8(cost, next, back + t * P, table, y[t], P);
-            else if (K == 4) trellis_step16_4(cost, next, back + t * P, table, y[t], P);
-            else trellis_step16_2(cost, next, back + t * P, table, y[t], P);
+            /* K a constant in each call: the j loop unrolls */
+            if (K == 8) trellis_step16_k(cost, next, back + t * P, table, y[t], 8, 3, P);
+            else if (K == 4) trellis_step16_k(cost, next, back + t * P, table, y[t], 4, 2, P);
+            else trellis_step16_k(cost, next, back + t * P, table, y[t], 2, 1, P);
             float *tmp = cost;
             cost = next;
             next = tmp;
