@@ -2,7 +2,7 @@
 run under Triton's interpreter for the whole session (set here, before any test module can import
 ``kvquant.kernels``: Triton reads the variable when ``@triton.jit`` decorates the kernels). In a
 pytest-xdist worker (``make test`` runs one per core) torch runs on one thread: workers that each
-keep an OpenMP pool as wide as the machine oversubscribe its cores (README, "Tests"). Tests of the
+keep an OpenMP pool as wide as the machine oversubscribe its cores (README: the `make test` timings). Tests of the
 threaded paths pass their thread counts explicitly."""
 
 from __future__ import annotations

@@ -520,7 +520,6 @@ __attribute__((optimize("fp-contract=off"), always_inline)) static inline void t
         }
     }
 }
-
 #endif
 
 /* One Viterbi pass over y[0..d) (kvquant.trellis._viterbi). history < 0: free start and end.
