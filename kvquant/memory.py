@@ -83,13 +83,20 @@ def layer_groups(
     cfg: KVQuantConfig, layer_types: list[str], sliding_windows: list[int | None]
 ) -> list[tuple[KVQuantConfig, int | None, int]]:
     """The layers of a cache as ``(layer config, sliding window, count)`` groups of identical layers
-    (``dummy`` layers hold nothing and are left out), in order of first appearance.
+    (``dummy`` layers hold nothing and are left out), in order of first appearance. A config whose
+    ``retrieval_layers`` are not resolved yet (the model not probed) counts them on its last
+    attention layers.
 
     Example:
         >>> [(c.key_format, w, n) for c, w, n in layer_groups(KVQuantConfig(), ["full_attention"] * 3, [None] * 3)]
         [('int8', None, 3)]
     """
     n = len(layer_types)
+    if cfg.retrieval_layers:
+        # which layers a probe of the model picks is not known here: the last ones stand in (the
+        # same bytes where the layers are alike)
+        held = [i for i, kind in enumerate(layer_types) if kind not in ("dummy", "linear_attention", "conv")]
+        cfg = cfg.with_retrieval_layers(held[-cfg.retrieval_layers :], n)
     groups: dict[tuple, list] = {}
     for i, (kind, window) in enumerate(zip(layer_types, sliding_windows, strict=True)):
         if kind == "dummy":

@@ -4,7 +4,7 @@ Example:
     >>> from kvquant import KVQuantCache
     >>> from kvquant.models import load_model
     >>> model, tok = load_model()                              # embedded SmolLM2-135M-Instruct
-    >>> cache = KVQuantCache(model.config, "int4")             # preset, KVQuantConfig or YAML path
+    >>> cache = KVQuantCache(model, "int4")             # preset, KVQuantConfig or YAML path
     >>> ids = tok("The KV cache", return_tensors="pt")
     >>> out = model.generate(**ids, cache=cache, max_new_tokens=16)
     >>> cache.effective_bits()                                 # ~4.5 bits per element
@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from kvquant.cache.layer import QuantizedKVLayer, make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.engine_scales import is_scales_checkpoint, read_scales
 from kvquant.kernels import ops
+from kvquant.retrieval_heads import retrieval_scores, top_layers
 
 SUPPORTED_LAYER_TYPES = (
     "full_attention",
@@ -71,8 +74,10 @@ class KVQuantCache(Cache):
     """A ``transformers.Cache`` whose layers store keys / values quantized.
 
     Args:
-        config: the model's config (or the model itself). Layer types (full, sliding, chunked,
-            shared) are derived from it exactly as ``DynamicCache(config=...)`` does.
+        config: the model itself, or its config. Layer types (full, sliding, chunked, shared) are
+            derived from the config exactly as ``DynamicCache(config=...)`` does. A config with
+            ``retrieval_layers`` needs the model: it is probed once for the layers whose keys stay
+            finer (:mod:`kvquant.retrieval_heads`; the chosen ones in ``retrieval_layers``).
         quant: a preset name (``"int4"``, ``"int8"``, ...), a :class:`KVQuantConfig`, a dict, or a
             YAML path. Defaults to ``"int4"``.
         initial_capacity: tokens each layer's store is first allocated for (grows by doubling).
@@ -136,6 +141,7 @@ class KVQuantCache(Cache):
                     f"layer_overrides: layer {idx} does not exist; the model has {num_layers} layers "
                     f"(allowed: {-num_layers} .. {num_layers - 1})"
                 )
+        self.retrieval_layers = self._find_retrieval_layers(config, num_layers)
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
             if layer_type not in SUPPORTED_LAYER_TYPES:
@@ -162,6 +168,25 @@ class KVQuantCache(Cache):
                 )
             )
         super().__init__(layers=layers)
+
+    def _find_retrieval_layers(self, model: Any, num_layers: int) -> list[int]:
+        """Probe ``model`` for ``quant_config.retrieval_layers`` layers and fold them into the config."""
+        count = self.quant_config.retrieval_layers
+        if not count or self._latent:
+            return []
+        if not isinstance(model, torch.nn.Module):
+            warnings.warn(
+                f"retrieval_layers: {self.quant_config.name!r} keeps the keys of {count} retrieval layers in "
+                f"{self.quant_config.retrieval_key_format}, found by probing the model; this cache got only "
+                "its config, so every layer keeps its key format. Pass the model: KVQuantCache(model, ...)",
+                stacklevel=3,
+            )
+            self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)  # what it holds
+            return []
+        scores = retrieval_scores(model)  # [L, Hq]
+        found = [i for i in top_layers(scores, count) if scores[i].max() > 0]
+        self.quant_config = self.quant_config.with_retrieval_layers(found, num_layers)
+        return found
 
     def uses_views(self) -> bool:
         """Whether ``update`` hands out store views (the ``kvquant`` attention is active)."""

@@ -15,7 +15,7 @@ from kvquant.models import tiny_model
 @pytest.mark.parametrize("steps", [0, 1, 37])
 def test_predicted_bytes_equal_cache_nbytes(family, preset, steps):
     model = tiny_model(family)
-    cache = KVQuantCache(model.config, preset, initial_capacity=4)
+    cache = KVQuantCache(model, preset, initial_capacity=4)  # the model: retrieval layers probed
     ids = torch.randint(3, 100, (2, 23), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(input_ids=ids, cache=cache)

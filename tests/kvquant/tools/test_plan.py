@@ -42,7 +42,7 @@ def _model(variant):
 
 
 def _run(model, preset, context, prefill):
-    cache = KVQuantCache(model.config, preset, initial_capacity=8)
+    cache = KVQuantCache(model, preset, initial_capacity=8)  # the model: retrieval layers probed
     ids = torch.randint(3, 100, (1, context), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(input_ids=ids[:, :prefill], cache=cache)
