@@ -116,7 +116,7 @@ class CacheSpec:
         if self.kind == "kvquant":
             if self.settings.get("reads") == "stored":
                 return engine_cache(config, self.quant)
-            return KVQuantCache(config, self.quant)
+            return KVQuantCache(model, self.quant)
         if self.kind == "custom":
             return self.factory(model)
         if self.backend == "fp8":

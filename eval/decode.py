@@ -17,7 +17,7 @@ but quantizes everything in simulated mode. Use decode mode for the numbers you 
 Example:
     >>> ids = tok(text, return_tensors="pt").input_ids[:, :768]         # [1, P + N]
     >>> base = teacher_forced_logprobs(model, ids, 512, DynamicCache(config=model.config))
-    >>> quant = teacher_forced_logprobs(model, ids, 512, KVQuantCache(model.config, "int8"))
+    >>> quant = teacher_forced_logprobs(model, ids, 512, KVQuantCache(model, "int8"))
     >>> compare(base, quant, ids[:, 512:])["kl_mean"]   # kvquant.eval.quality.compare
 """
 

@@ -21,7 +21,7 @@ Per cache, against DynamicCache's own greedy continuation of the same prompt:
 Example:
     >>> prompts = make_windows(ids, 256, 256, 1)[:, :256]                     # [1, 256]
     >>> ref = greedy_continuations(model, prompts, lambda: DynamicCache(config=model.config), 256)
-    >>> got = greedy_continuations(model, prompts, lambda: KVQuantCache(model.config, "nuq2"), 256)
+    >>> got = greedy_continuations(model, prompts, lambda: KVQuantCache(model, "nuq2"), 256)
     >>> free_run_numbers(model, prompts, ref, got)["first_divergence"]
 """
 

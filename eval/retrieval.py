@@ -194,7 +194,7 @@ def passkey_accuracy_shared(
 
     Example:
         >>> builds = {"dynamic": lambda: DynamicCache(config=model.config),
-        ...           "nuq2": lambda: KVQuantCache(model.config, "nuq2")}
+        ...           "nuq2": lambda: KVQuantCache(model, "nuq2")}
         >>> passkey_accuracy_shared(model, tok, builds, lengths=[4096], trials=3)["nuq2"]["accuracy"]
     """
     device = next(model.parameters()).device

@@ -111,7 +111,7 @@ def find_retrieval_layers(
 
     chosen: list[int] = []
     current = config
-    margins = [score(lambda: KVQuantCache(model.config, current))]
+    margins = [score(lambda: KVQuantCache(model, current))]
     gains: list[dict[int, float]] = []
     if progress:
         progress(f"full precision {reference:+.3f}; {config.name} {margins[0]:+.3f}")
@@ -121,7 +121,7 @@ def find_retrieval_layers(
             if layer in chosen:
                 continue
             cand = _protected(current, layer, protect_format)
-            tried[layer] = score(lambda c=cand: KVQuantCache(model.config, c))
+            tried[layer] = score(lambda c=cand: KVQuantCache(model, c))
         best = max(tried, key=tried.__getitem__)
         gains.append(tried)
         if tried[best] <= margins[-1]:  # no layer helps: stop rather than spend bits

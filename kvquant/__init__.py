@@ -9,7 +9,7 @@ Example::
 
     model, tok = load_model()  # the embedded SmolLM2-135M-Instruct
     inputs = tok("The capital of France is", return_tensors="pt")
-    cache = KVQuantCache(model.config, "int4")
+    cache = KVQuantCache(model, "int4")
     out = model.generate(**inputs, cache=cache, max_new_tokens=32)
 
     kvquant.enable(model)  # fused decode attention over the quantized store

@@ -291,7 +291,7 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
 
     Example:
         >>> model = kvquant.enable(model)
-        >>> model.generate(**inputs, cache=KVQuantCache(model.config, "int4"))
+        >>> model.generate(**inputs, cache=KVQuantCache(model, "int4"))
     """
     check_dispatches_attention(model)
     register()

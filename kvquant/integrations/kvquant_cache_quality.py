@@ -8,7 +8,7 @@ so the numbers are the harness's. It ships inside the kvquant package and loads 
     >>> from kvquant.integrations import CACHE_QUALITY_METRIC   # this file's path
     >>> metric = evaluate.load(CACHE_QUALITY_METRIC)
     >>> base = teacher_forced_logprobs(model, ids, 512, DynamicCache(config=model.config))    # [B, N, V]
-    >>> test = teacher_forced_logprobs(model, ids, 512, KVQuantCache(model.config, "int4"))
+    >>> test = teacher_forced_logprobs(model, ids, 512, KVQuantCache(model, "int4"))
     >>> V = base.shape[-1]
     >>> metric.compute(predictions=test.reshape(-1, V), references=base.reshape(-1, V),
     ...                targets=ids[:, 512:].reshape(-1))["kl_mean"]

@@ -163,11 +163,9 @@ def _caches(model, presets: list[str], dequant: bool = True) -> dict:
     """Contender label -> fresh-cache factory."""
     builds = {"DynamicCache": lambda: DynamicCache(config=model.config)}
     for preset in presets:
-        builds[f"kvquant {preset} (fused)"] = lambda p=preset: KVQuantCache(model.config, p, fused=True)
+        builds[f"kvquant {preset} (fused)"] = lambda p=preset: KVQuantCache(model, p, fused=True)
         if dequant:
-            builds[f"kvquant {preset} (dequant)"] = lambda p=preset: KVQuantCache(
-                model.config, p, fused=False
-            )
+            builds[f"kvquant {preset} (dequant)"] = lambda p=preset: KVQuantCache(model, p, fused=False)
     try:
         import optimum.quanto  # noqa: F401
         from transformers import QuantizedCache

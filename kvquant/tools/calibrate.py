@@ -12,7 +12,7 @@ Example:
     >>> ids = tok(text, return_tensors="pt").input_ids[:, :4096]
     >>> calibrate_static_scales(model, ids, KVQuantConfig.resolve("int8"), "int8-scales.pt")
     >>> cfg = KVQuantConfig(key_format="int8", value_format="int8", static_scales="int8-scales.pt")
-    >>> cache = KVQuantCache(model.config, cfg)
+    >>> cache = KVQuantCache(model, cfg)
 
 **Key maps** (:func:`calibrate_key_map`, :mod:`kvquant.key_map`): run the model over calibration
 text and record, per layer and KV head, the second moments of the keys as the cache would transform
@@ -22,7 +22,7 @@ quantized (past the sinks and the ``residual_length`` newest tokens), a query by
 its keys. Those two moments give the map (:func:`kvquant.key_map.fit_key_map`).
 
     >>> maps = calibrate_key_map(model, ids, KVQuantConfig.resolve("nuq4"), "km.pt")
-    >>> cache = KVQuantCache(model.config, dataclasses.replace(KVQuantConfig.resolve("nuq4"), key_map="km.pt"))
+    >>> cache = KVQuantCache(model, dataclasses.replace(KVQuantConfig.resolve("nuq4"), key_map="km.pt"))
 """
 
 from __future__ import annotations

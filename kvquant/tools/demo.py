@@ -71,10 +71,10 @@ def run(
     # faster of each cache's two is reported.
     warm = min(max_new_tokens, 8)
     _generate(model, ids, DynamicCache(config=model.config), warm)
-    _generate(model, ids, KVQuantCache(model.config, preset), warm)
+    _generate(model, ids, KVQuantCache(model, preset), warm)
     builds = {
         "ref": lambda: DynamicCache(config=model.config),
-        "q": lambda: KVQuantCache(model.config, preset),
+        "q": lambda: KVQuantCache(model, preset),
     }
     runs: dict[str, list] = {"ref": [], "q": []}
     for which in ("ref", "q", "q", "ref"):
@@ -115,7 +115,7 @@ def run(
     # quality: teacher-force the full-precision continuation through both caches
     prefix = ids.shape[1]
     base = teacher_forced_logprobs(model, ref_out, prefix, DynamicCache(config=model.config))
-    test = teacher_forced_logprobs(model, ref_out, prefix, KVQuantCache(model.config, preset))
+    test = teacher_forced_logprobs(model, ref_out, prefix, KVQuantCache(model, preset))
     res = compare(base, test, ref_out[:, prefix:])
     print("\nquality (teacher-forced over the full-precision continuation)")
     print(

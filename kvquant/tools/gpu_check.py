@@ -316,7 +316,7 @@ def run_generate(
     model_meta = {k: getattr(model.config, k, None) for k in keys}
     meta = {"device": str(dev), "model": model_meta, **shape, "tiny": tiny, "cudnn_sdpa": False}
     contenders = {"DynamicCache": lambda: DynamicCache(config=model.config)}
-    contenders |= {p: (lambda p=p: KVQuantCache(model.config, p)) for p in PRESETS}
+    contenders |= {p: (lambda p=p: KVQuantCache(model, p)) for p in PRESETS}
     rows: list[dict] = []
     last = 0.0
     for name, build in contenders.items():

@@ -130,7 +130,7 @@ def decode_logprobs(model: Any, calib: Calibration, quant: KVQuantConfig) -> tor
     """Log-probs ``[W, D, V]`` of the scored tokens with ``quant``'s cache in the loop (decode mode)."""
     from kvquant.cache import KVQuantCache
 
-    cache = KVQuantCache(model.config, quant)
+    cache = KVQuantCache(model, quant)
     if calib.kv is None:
         device = next(model.parameters()).device
         model(
