@@ -183,7 +183,16 @@ class KVQuantCache(Cache):
             )
             self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)  # what it holds
             return []
-        scores = retrieval_scores(model)  # [L, Hq]
+        try:
+            scores = retrieval_scores(model)  # [L, Hq]
+        except (ValueError, RuntimeError, TypeError, AttributeError) as err:
+            warnings.warn(
+                f"retrieval_layers: probing {type(model).__name__} failed ({err}); every layer keeps its "
+                "key format (set retrieval_layers: 0 to silence this)",
+                stacklevel=3,
+            )
+            self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)
+            return []
         found = [i for i in top_layers(scores, count) if scores[i].max() > 0]
         self.quant_config = self.quant_config.with_retrieval_layers(found, num_layers)
         return found

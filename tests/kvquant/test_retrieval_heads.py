@@ -137,3 +137,22 @@ def test_predicted_bytes_count_the_retrieval_layers():
 def test_bad_retrieval_fields_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         KVQuantConfig(**fields)
+
+
+def test_the_probe_hands_a_kvquant_model_back_on_the_kvquant_attention():
+    import kvquant
+
+    model = kvquant.enable(tiny_model("llama"))
+    cache = KVQuantCache(model, _tcq2(1))
+    assert model.config._attn_implementation == "kvquant" and cache.uses_views()
+    assert len(cache.retrieval_layers) == 1
+
+
+def test_a_model_the_probe_cannot_read_warns_and_keeps_every_key_format(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(
+        model, "set_attn_implementation", lambda impl: (_ for _ in ()).throw(ValueError("no eager"))
+    )
+    with pytest.warns(UserWarning, match=r"retrieval_layers: probing LlamaForCausalLM failed \(no eager\)"):
+        cache = KVQuantCache(model, _tcq2(1))
+    assert cache.retrieval_layers == [] and {layer.config.key_format for layer in cache.layers} == {"tcq2"}
