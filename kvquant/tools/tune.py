@@ -540,12 +540,13 @@ def load_sensitivity(
 
 
 def check_base(base: KVQuantConfig | str | None) -> KVQuantConfig:
-    """``base`` resolved (default :data:`DEFAULT_BASE`), its ``layer_overrides`` dropped; ``ValueError``
-    naming ``base`` when the tuner cannot vary it per layer (per-channel keys)."""
+    """``base`` resolved (default :data:`DEFAULT_BASE`), its ``layer_overrides`` and
+    ``retrieval_layers`` dropped (the tuner places every layer's formats itself; ``--pin`` keeps
+    layers); ``ValueError`` naming ``base`` when the tuner cannot vary it per layer (per-channel keys)."""
     cfg = DEFAULT_BASE if base is None else KVQuantConfig.resolve(base)
     if cfg.key_axis != "token":
         raise ValueError(f"base: key_axis {cfg.key_axis!r}; the tuner needs 'token'")
-    return dataclasses.replace(cfg, layer_overrides={}, name="tuned")
+    return dataclasses.replace(cfg, layer_overrides={}, retrieval_layers=0, name="tuned")
 
 
 def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:

@@ -392,3 +392,10 @@ def test_shipped_tuned_configs_load_and_meet_their_budget(path):
     cfg = KVQuantConfig.from_yaml(path)
     KVQuantCache(smollm2, cfg)
     assert budget - 0.05 <= config_bits(cfg, smollm2, 1087) <= budget + 1e-9
+
+
+def test_the_base_loses_its_retrieval_layers_the_tuner_places_every_layer():
+    from kvquant.tools.tune import check_base
+
+    assert KVQuantConfig.resolve("tcq2-recent").retrieval_layers == 3
+    assert check_base("tcq2-recent").retrieval_layers == 0
