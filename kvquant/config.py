@@ -100,15 +100,15 @@ class KVQuantConfig:
             file, a relative path is taken from the file's folder.
         static_scales: path of a calibration file (``kvquant calibrate``) with per-(layer, head)
             scales; int8 / fp8 only. Codes then carry no per-token scales.
-        retrieval_layers: keys of this many layers kept in ``retrieval_key_format``: the layers whose
-            heads copy from far back, found by one probe of the model (:mod:`kvquant.retrieval_heads`)
+        retrieval_layers: keys and values of this many layers kept in ``retrieval_format``: the
+            layers whose heads copy from far back, found by one probe of the model (:mod:`kvquant.retrieval_heads`)
             when the cache is given the model, ``KVQuantCache(model, ...)``; with only its config they
-            cannot be found and every layer keeps ``key_format`` (a warning says so). Passkey
-            retrieval at <= 3 bits fails on those layers' keys. A layer whose override sets
-            ``key_format`` keeps it. 0: none (also in the cache's own config once resolved: its
+            cannot be found and every layer keeps its formats (a warning says so). Passkey retrieval
+            at <= 3 bits fails on those layers' keys and values. A layer whose override sets
+            ``key_format`` / ``value_format`` keeps that one. 0: none (also in the cache's own config once resolved: its
             overrides then name the layers).
-        retrieval_key_format: the key format of the retrieval layers (on the channel axis one that
-            can be stored there, e.g. ``int4``).
+        retrieval_format: the key and value format of the retrieval layers (with channel-axis keys,
+            one the channel axis can store, e.g. ``int4``).
         layer_overrides: ``{layer_index: {field: value}}``.
         name: a label (the preset name, when loaded from one).
     """
@@ -130,7 +130,7 @@ class KVQuantConfig:
     key_map: str | None = None
     static_scales: str | None = None
     retrieval_layers: int = 0
-    retrieval_key_format: str = "nuq4"
+    retrieval_format: str = "nuq4"
     layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     name: str = "custom"
 
@@ -191,12 +191,12 @@ class KVQuantConfig:
         r = self.retrieval_layers
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise _bad("retrieval_layers", r, "an integer >= 0")
-        if self.retrieval_key_format not in FORMAT_NAMES:
-            raise _bad("retrieval_key_format", self.retrieval_key_format, ", ".join(FORMAT_NAMES))
-        if r and self.key_axis == "channel" and format_spec(self.retrieval_key_format).token_axis_only:
+        if self.retrieval_format not in FORMAT_NAMES:
+            raise _bad("retrieval_format", self.retrieval_format, ", ".join(FORMAT_NAMES))
+        if r and self.key_axis == "channel" and format_spec(self.retrieval_format).token_axis_only:
             raise _bad(
-                "retrieval_key_format",
-                self.retrieval_key_format,
+                "retrieval_format",
+                self.retrieval_format,
                 "a format the channel axis can store (e.g. int4) when key_axis is 'channel'",
             )
         if not isinstance(self.layer_overrides, dict):
@@ -236,20 +236,22 @@ class KVQuantConfig:
         return dataclasses.replace(self, layer_overrides={}, **over)
 
     def with_retrieval_layers(self, layers: list[int], num_layers: int) -> KVQuantConfig:
-        """This config with the keys of ``layers`` (of ``num_layers``) in ``retrieval_key_format``,
-        added to ``layer_overrides`` (a layer whose override sets ``key_format`` keeps it), and
-        ``retrieval_layers`` 0: resolved, nothing left to probe for.
+        """This config with the keys and values of ``layers`` (of ``num_layers``) in
+        ``retrieval_format``, added to ``layer_overrides`` (a layer whose override sets ``key_format``
+        or ``value_format`` keeps that one), and ``retrieval_layers`` 0: resolved, nothing left to
+        probe for.
 
         Example:
             >>> cfg = KVQuantConfig(key_format="nuq2", retrieval_layers=1).with_retrieval_layers([18], 30)
             >>> cfg.layer_overrides
-            {18: {'key_format': 'nuq4'}}
+            {18: {'key_format': 'nuq4', 'value_format': 'nuq4'}}
         """
-        pinned = {i % num_layers for i, f in self.layer_overrides.items() if "key_format" in f}
         over = {i: dict(fields) for i, fields in self.layer_overrides.items()}
-        for layer in layers:
-            if layer not in pinned:
-                over.setdefault(layer, {})["key_format"] = self.retrieval_key_format
+        for field_name in ("key_format", "value_format"):
+            pinned = {i % num_layers for i, f in self.layer_overrides.items() if field_name in f}
+            for layer in layers:
+                if layer not in pinned:
+                    over.setdefault(layer, {})[field_name] = self.retrieval_format
         return dataclasses.replace(self, layer_overrides=over, retrieval_layers=0)
 
     def group_sizes(self, head_dim: int) -> tuple[int, int]:

@@ -1,22 +1,22 @@
-"""Retrieval heads, found by one probe of the model: where a quantized cache must keep keys finer.
+"""Retrieval heads, found by one probe of the model: the layers where a quantized cache must stay finer.
 
-Passkey retrieval at <= 3 bits fails on the keys of few layers: the layers whose heads copy from far
-back. Such a head, reading a sequence it has seen before, attends from each token to that token's
-earlier occurrence (an *echo* head) or to the token after it (an *induction* head). Feeding the model
-a random token sequence twice and reading where each head looks from the second copy scores every
-head in one forward pass, with no data and no search (the probe of RazorAttention, Tang et al.,
-2024). On SmolLM2 the two layers with the strongest induction heads (18: 0.88, 17: 0.83 of the
-attention on the induction target) are the ones whose keys ``tcq2-recent`` must keep in ``nuq4`` to
-answer the 4k passkeys as full precision does; the ranking comes out the same from seeds 0-2.
+Passkey retrieval at <= 3 bits fails on few layers: those whose heads copy from far back. Such a head,
+reading a sequence it has seen before, attends from each token to that token's earlier occurrence (an
+*echo* head) or to the token after it (an *induction* head). Feeding the model a random token sequence
+twice and reading where each head looks from the second copy scores every head in one forward pass,
+with no data and no search (the probe of RazorAttention, Tang et al., 2024). On SmolLM2 it ranks
+layers 18, 17 and 8 first (the same order from seeds 0-2); the passkey search of
+:mod:`kvquant.eval.retrieval_layers`, which asks the model with passkey prompts for 20 minutes, had
+found 18 and 8.
 
 ``KVQuantConfig.retrieval_layers`` asks the cache for it: ``KVQuantCache(model, "tcq2-recent")`` probes
-the model once (kept per model object) and keeps the keys of that many top-scoring layers in
-``retrieval_key_format``.
+the model once (kept per model object) and keeps the keys and values of that many top-scoring layers
+in ``retrieval_format``.
 
 Example:
     >>> scores = retrieval_scores(model)            # [layers, query heads]: max(echo, induction)
-    >>> top_layers(scores, 2)
-    [18, 17]
+    >>> top_layers(scores, 3)
+    [18, 17, 8]
 """
 
 from __future__ import annotations

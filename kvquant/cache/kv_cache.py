@@ -4,7 +4,7 @@ Example:
     >>> from kvquant import KVQuantCache
     >>> from kvquant.models import load_model
     >>> model, tok = load_model()                              # embedded SmolLM2-135M-Instruct
-    >>> cache = KVQuantCache(model, "int4")             # preset, KVQuantConfig or YAML path
+    >>> cache = KVQuantCache(model, "int4")                    # preset, KVQuantConfig or YAML path
     >>> ids = tok("The KV cache", return_tensors="pt")
     >>> out = model.generate(**ids, cache=cache, max_new_tokens=16)
     >>> cache.effective_bits()                                 # ~4.5 bits per element
@@ -76,8 +76,8 @@ class KVQuantCache(Cache):
     Args:
         config: the model itself, or its config. Layer types (full, sliding, chunked, shared) are
             derived from the config exactly as ``DynamicCache(config=...)`` does. A config with
-            ``retrieval_layers`` needs the model: it is probed once for the layers whose keys stay
-            finer (:mod:`kvquant.retrieval_heads`; the chosen ones in ``retrieval_layers``).
+            ``retrieval_layers`` needs the model: it is probed once for the layers whose keys and
+            values stay finer (:mod:`kvquant.retrieval_heads`; ``cache.retrieval_layers`` lists them).
         quant: a preset name (``"int4"``, ``"int8"``, ...), a :class:`KVQuantConfig`, a dict, or a
             YAML path. Defaults to ``"int4"``.
         initial_capacity: tokens each layer's store is first allocated for (grows by doubling).
@@ -176,9 +176,9 @@ class KVQuantCache(Cache):
             return []
         if not isinstance(model, torch.nn.Module):
             warnings.warn(
-                f"retrieval_layers: {self.quant_config.name!r} keeps the keys of {count} retrieval layers in "
-                f"{self.quant_config.retrieval_key_format}, found by probing the model; this cache got only "
-                "its config, so every layer keeps its key format. Pass the model: KVQuantCache(model, ...)",
+                f"retrieval_layers: {self.quant_config.name!r} keeps the keys and values of {count} retrieval "
+                f"layers in {self.quant_config.retrieval_format}, found by probing the model; this cache got "
+                "only its config, so every layer keeps its formats. Pass the model: KVQuantCache(model, ...)",
                 stacklevel=3,
             )
             self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)  # what it holds
@@ -188,7 +188,7 @@ class KVQuantCache(Cache):
         except (ValueError, RuntimeError, TypeError, AttributeError) as err:
             warnings.warn(
                 f"retrieval_layers: probing {type(model).__name__} failed ({err}); every layer keeps its "
-                "key format (set retrieval_layers: 0 to silence this)",
+                "formats (set retrieval_layers: 0 to silence this)",
                 stacklevel=3,
             )
             self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)

@@ -68,23 +68,23 @@ def test_top_layers_ranks_by_the_best_head_ties_to_the_lower_index():
     assert top_layers(scores, 0) == []
 
 
-def test_cache_given_the_model_keeps_the_found_layers_keys_finer():
+def test_cache_given_the_model_keeps_the_found_layers_keys_and_values_finer():
     model = tiny_model("llama")
     found = top_layers(retrieval_scores(model), 1)
     cache = KVQuantCache(model, _tcq2(1))
     assert cache.retrieval_layers == found
     assert cache.quant_config.retrieval_layers == 0  # resolved: the overrides name the layer
-    assert cache.quant_config.layer_overrides == {found[0]: {"key_format": "nuq4"}}
-    formats = [layer.config.key_format for layer in cache.layers]
-    assert formats == ["nuq4" if i in found else "tcq2" for i in range(len(formats))]
+    assert cache.quant_config.layer_overrides == {found[0]: {"key_format": "nuq4", "value_format": "nuq4"}}
+    formats = [(layer.config.key_format, layer.config.value_format) for layer in cache.layers]
+    assert formats == [("nuq4", "nuq4") if i in found else ("tcq2", "tcq2") for i in range(len(formats))]
 
 
-def test_an_override_of_the_found_layer_keeps_its_key_format():
+def test_an_override_of_the_found_layer_keeps_its_format():
     model = tiny_model("llama")
     top = top_layers(retrieval_scores(model), 1)[0]
     n = model.config.num_hidden_layers
     cache = KVQuantCache(model, _tcq2(1, layer_overrides={top - n: {"key_format": "int8"}}))
-    assert cache.layers[top].config.key_format == "int8"
+    assert (cache.layers[top].config.key_format, cache.layers[top].config.value_format) == ("int8", "nuq4")
 
 
 def test_cache_given_only_the_config_warns_and_keeps_every_key_format():
@@ -92,7 +92,9 @@ def test_cache_given_only_the_config_warns_and_keeps_every_key_format():
     with pytest.warns(UserWarning, match=r"retrieval_layers: .*KVQuantCache\(model"):
         cache = KVQuantCache(model.config, _tcq2(1))
     assert cache.retrieval_layers == [] and cache.quant_config.retrieval_layers == 0  # what it holds
-    assert {layer.config.key_format for layer in cache.layers} == {"tcq2"}
+    assert {(layer.config.key_format, layer.config.value_format) for layer in cache.layers} == {
+        ("tcq2", "tcq2")
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         KVQuantCache(model.config, _tcq2(0))  # nothing to probe for: no warning
@@ -121,16 +123,16 @@ def test_predicted_bytes_count_the_retrieval_layers():
     [
         ({"retrieval_layers": -1}, "retrieval_layers: invalid value -1; allowed: an integer >= 0"),
         ({"retrieval_layers": True}, "retrieval_layers: invalid value True"),
-        ({"retrieval_key_format": "int5"}, "retrieval_key_format: invalid value 'int5'; allowed: none, int8"),
+        ({"retrieval_format": "int5"}, "retrieval_format: invalid value 'int5'; allowed: none, int8"),
         (
             {
                 "key_format": "int2",
                 "key_axis": "channel",
                 "key_group_size": 32,
-                "retrieval_key_format": "nuq4",
+                "retrieval_format": "nuq4",
                 "retrieval_layers": 1,
             },
-            "retrieval_key_format: invalid value 'nuq4'; allowed: a format the channel axis can store",
+            "retrieval_format: invalid value 'nuq4'; allowed: a format the channel axis can store",
         ),
     ],
 )

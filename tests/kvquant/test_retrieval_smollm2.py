@@ -1,5 +1,5 @@
 """On the embedded SmolLM2: the probe finds the layers passkey retrieval needs, and keeping their keys
-finer brings back a passkey the low-bit keys lose. Marked `slow` (the real model, a 4k-token prefill)."""
+and values finer brings back a passkey the low-bit cache loses. Marked `slow` (the real model, a 4k-token prefill)."""
 
 import dataclasses
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 @torch.no_grad()
 def test_probed_layers_bring_back_a_passkey_the_low_bit_keys_lose():
     """``tcq2-recent`` without its retrieval layers misses the evaluation's 4k prompt at depth 1/4
-    (first-token margin -1.87, full precision +1.73); with the keys of the three probed layers
-    (18, 17, 8) in ``nuq4`` it answers (+1.31). The ranking is the one the greedy passkey search
-    found by asking the model (18, then 8) plus layer 17."""
+    (first-token margin -1.87, full precision +1.73); with the keys and values of the three probed
+    layers (18, 17, 8) in ``nuq4`` it answers (+1.32). The greedy passkey search, asking the model,
+    had found 18 and 8."""
     model, tok = load_model()
     assert top_layers(retrieval_scores(model), 3) == [18, 17, 8]
     preset = KVQuantConfig.resolve("tcq2-recent")
