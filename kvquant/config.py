@@ -101,12 +101,13 @@ class KVQuantConfig:
         static_scales: path of a calibration file (``kvquant calibrate``) with per-(layer, head)
             scales; int8 / fp8 only. Codes then carry no per-token scales.
         retrieval_layers: keys and values of this many layers kept in ``retrieval_format``: the
-            layers whose heads copy from far back, found by one probe of the model (:mod:`kvquant.retrieval_heads`)
-            when the cache is given the model, ``KVQuantCache(model, ...)``; with only its config they
-            cannot be found and every layer keeps its formats (a warning says so). Passkey retrieval
-            at <= 3 bits fails on those layers' keys and values. A layer whose override sets
-            ``key_format`` / ``value_format`` keeps that one. 0: none (also in the cache's own config once resolved: its
-            overrides then name the layers).
+            layers whose heads copy from far back, found by one probe of the model
+            (:mod:`kvquant.retrieval_heads`) when the cache is given the model,
+            ``KVQuantCache(model, ...)``; with only its config they cannot be found and every layer
+            keeps its formats (a warning says so). Passkey retrieval at <= 3 bits fails on those
+            layers' keys and values. A layer whose override sets ``key_format`` / ``value_format``
+            keeps that one. 0: none (also in the cache's own config once resolved: its overrides
+            then name the layers).
         retrieval_format: the key and value format of the retrieval layers (with channel-axis keys,
             one the channel axis can store, e.g. ``int4``).
         layer_overrides: ``{layer_index: {field: value}}``.
