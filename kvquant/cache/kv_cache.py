@@ -170,28 +170,28 @@ class KVQuantCache(Cache):
         super().__init__(layers=layers)
 
     def _find_retrieval_layers(self, model: Any, num_layers: int) -> list[int]:
-        """Probe ``model`` for ``quant_config.retrieval_layers`` layers and fold them into the config."""
+        """Probe ``model`` for ``quant_config.retrieval_layers`` layers and fold them into the config;
+        where it cannot, warn why and keep every layer's formats (the config then says 0)."""
         count = self.quant_config.retrieval_layers
         if not count or self._latent:
             return []
+        why = None
         if not isinstance(model, torch.nn.Module):
-            warnings.warn(
-                f"retrieval_layers: {self.quant_config.name!r} keeps the keys and values of {count} retrieval "
-                f"layers in {self.quant_config.retrieval_format}, found by probing the model; this cache got "
-                "only its config, so every layer keeps its formats. Pass the model: KVQuantCache(model, ...)",
-                stacklevel=3,
+            why = (
+                f"{self.quant_config.name!r} keeps the keys and values of {count} retrieval layers in "
+                f"{self.quant_config.retrieval_format}, found by probing the model; this cache got only its "
+                "config. Pass the model: KVQuantCache(model, ...)"
             )
+        else:
+            try:
+                scores = retrieval_scores(model)  # [L, Hq]
+            except (ValueError, RuntimeError, TypeError, AttributeError) as err:
+                why = (
+                    f"probing {type(model).__name__} failed ({err}); set retrieval_layers: 0 to silence this"
+                )
+        if why is not None:
+            warnings.warn(f"retrieval_layers: {why}; every layer keeps its formats", stacklevel=3)
             self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)  # what it holds
-            return []
-        try:
-            scores = retrieval_scores(model)  # [L, Hq]
-        except (ValueError, RuntimeError, TypeError, AttributeError) as err:
-            warnings.warn(
-                f"retrieval_layers: probing {type(model).__name__} failed ({err}); every layer keeps its "
-                "formats (set retrieval_layers: 0 to silence this)",
-                stacklevel=3,
-            )
-            self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)
             return []
         found = [i for i in top_layers(scores, count) if scores[i].max() > 0]
         self.quant_config = self.quant_config.with_retrieval_layers(found, num_layers)
