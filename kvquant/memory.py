@@ -20,6 +20,7 @@ import torch
 from kvquant.cache.layer import make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.formats import format_spec
+from kvquant.layer_kinds import ATTENTION, EMPTY
 
 _FP_DTYPES = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32, 8: torch.float64}
 
@@ -95,11 +96,11 @@ def layer_groups(
     if cfg.retrieval_layers:
         # which layers a probe of the model picks is not known here: the last ones stand in (the
         # same bytes where the layers are alike)
-        held = [i for i, kind in enumerate(layer_types) if kind not in ("dummy", "linear_attention", "conv")]
+        held = [i for i, kind in enumerate(layer_types) if kind in ATTENTION]
         cfg = cfg.with_retrieval_layers(held[-cfg.retrieval_layers :], n)
     groups: dict[tuple, list] = {}
     for i, (kind, window) in enumerate(zip(layer_types, sliding_windows, strict=True)):
-        if kind == "dummy":
+        if kind in EMPTY:
             continue
         layer_cfg = cfg.for_layer(i, n)
         groups.setdefault((repr(layer_cfg), window), [layer_cfg, window, 0])[2] += 1

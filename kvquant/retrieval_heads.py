@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kvquant.layer_kinds import ATTENTION
+
 PROBE_TOKENS = 128  # random tokens per copy; the probe holds 2 * PROBE_TOKENS + 1 positions
 _SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(tokens, seed): scores}
 
@@ -77,9 +79,7 @@ def _probe(model: Any, tokens: int, seed: int) -> torch.Tensor:
         model.set_attn_implementation(previous)
     maps = [a for a in out.attentions if a is not None]
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
-    attending = [
-        i for i, t in enumerate(types) if t in ("full_attention", "sliding_attention", "chunked_attention")
-    ]
+    attending = [i for i, t in enumerate(types) if t in ATTENTION]
     if len(maps) != len(attending):
         raise ValueError(
             f"retrieval_layers: the probe got {len(maps)} attention maps for {len(attending)} attention "

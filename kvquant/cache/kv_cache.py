@@ -24,19 +24,9 @@ from kvquant.cache.layer import QuantizedKVLayer, make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.engine_scales import is_scales_checkpoint, read_scales
 from kvquant.kernels import ops
+from kvquant.layer_kinds import EMPTY, STATE, SUPPORTED
 from kvquant.retrieval_heads import retrieval_scores, top_layers
 
-SUPPORTED_LAYER_TYPES = (
-    "full_attention",
-    "sliding_attention",
-    "chunked_attention",
-    "linear_attention",
-    "conv",
-    "dummy",
-)
-# layers without per-token keys and values (Mamba, gated DeltaNet, short convolutions: Qwen3-Next,
-# Jamba, LFM2): a state of fixed size, kept as transformers keeps it, in full precision
-_STATE_LAYER_TYPES = ("linear_attention", "conv")
 _HYBRID_REASON = (
     " (a 'hybrid' layer runs attention and a recurrent state side by side in one cache layer, as "
     "Falcon-H1 and Zamba do; KVQuantCache has no layer holding both)"
@@ -144,17 +134,16 @@ class KVQuantCache(Cache):
         self.retrieval_layers = self._find_retrieval_layers(config, num_layers)
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
-            if layer_type not in SUPPORTED_LAYER_TYPES:
+            if layer_type not in SUPPORTED:
                 arch = getattr(decoder_config, "model_type", "?")
                 raise ValueError(
                     f"layer_types: {arch} layer {i} is {layer_type!r}; KVQuantCache supports "
-                    f"{', '.join(SUPPORTED_LAYER_TYPES)}"
-                    + (_HYBRID_REASON if layer_type.startswith("hybrid") else "")
+                    f"{', '.join(SUPPORTED)}" + (_HYBRID_REASON if layer_type.startswith("hybrid") else "")
                 )
-            if layer_type == "dummy":
+            if layer_type in EMPTY:
                 layers.append(DummyLayer())
                 continue
-            if layer_type in _STATE_LAYER_TYPES:
+            if layer_type in STATE:
                 layers.append(LinearAttentionLayer(**kwargs))
                 continue
             static = None if scales is None else (scales["keys"][i], scales["values"][i])
