@@ -134,6 +134,98 @@ def find_retrieval_layers(
     return RetrievalLayers(chosen, current, reference, margins, gains)
 
 
+@dataclasses.dataclass
+class RetrievalCount:
+    """What :func:`find_retrieval_count` found for one config.
+
+    Attributes:
+        count: the chosen ``retrieval_layers``.
+        config: the input config with ``retrieval_layers=count``.
+        reference: per prompt, the full-precision cache's first-token margin.
+        margins: ``{count: per-prompt margins}`` of every count tried.
+    """
+
+    count: int
+    config: KVQuantConfig
+    reference: list[float]
+    margins: dict[int, list[float]]
+
+    def capped(self, count: int) -> float:
+        """Mean margin of ``count`` over the prompts, each capped at full precision's."""
+        pairs = zip(self.margins[count], self.reference, strict=True)
+        return sum(min(m, r) for m, r in pairs) / len(self.reference)
+
+    def answered(self, count: int) -> int:
+        """Prompts whose true first token leads (margin > 0) with ``count`` retrieval layers."""
+        return sum(m > 0 for m in self.margins[count])
+
+
+@torch.no_grad()
+def find_retrieval_count(
+    model: Any,
+    tokenizer: Any,
+    configs: list[KVQuantConfig],
+    *,
+    lengths: tuple[int, ...] = (4096,),
+    trials: int = 5,
+    digits: int = 5,
+    seed: int = 1,
+    max_count: int = 8,
+    tolerance: float = 0.1,
+    progress: Callable[[str], None] | None = None,
+) -> list[RetrievalCount]:
+    """How many probed retrieval layers (``KVQuantConfig.retrieval_layers``) each config needs.
+
+    The probe (:mod:`kvquant.retrieval_heads`) orders the layers; this picks the count on passkey
+    prompts of ``seed`` (not the evaluation's 0), prefilled once and shared by every config. Each
+    count from 0 to ``max_count`` is scored by the mean first-token margin over the prompts, each
+    capped at full precision's (a prompt answered by more than full precision cannot hide one that
+    fails); the chosen count is the smallest within ``tolerance`` of the best count's score: where the
+    margin stops growing. Whether each prompt is answered is not the criterion: a prompt that full
+    precision itself answers narrowly flips either way with any change of the quantization noise.
+
+    Args:
+        model: a causal LM the probe can read (eager attention available).
+        configs: the cache configs; their own ``retrieval_layers`` is replaced.
+        lengths: prompt lengths, each with ``trials`` prompts at depths ``(i + 0.5) / trials``.
+
+    Returns:
+        One :class:`RetrievalCount` per config, in order.
+
+    Example:
+        >>> [r.count for r in find_retrieval_count(model, tok, [KVQuantConfig.resolve("tcq2-recent")])]
+        [3]
+    """
+    if max_count < 0:
+        raise ValueError(f"max_count: expected an integer >= 0, got {max_count}")
+    counts = range(min(max_count, model.config.num_hidden_layers) + 1)
+    for config in configs:  # a format the config cannot hold raises here, before the long part
+        dataclasses.replace(config, retrieval_layers=counts[-1])
+    prompts = [
+        _prefill(model, tokenizer, case) for case in passkey_cases(list(lengths), trials, digits, seed)
+    ]
+    full = _margins(model, prompts, lambda: DynamicCache(config=model.config))  # [prompts]
+    if progress:
+        progress(f"full precision: {sum(m > 0 for m in full)}/{len(full)} answered, margins {_fmt(full)}")
+    found = []
+    for config in configs:
+        r = RetrievalCount(0, config, full, {})
+        for n in counts:
+            cfg = dataclasses.replace(config, retrieval_layers=n)
+            r.margins[n] = _margins(model, prompts, lambda c=cfg: KVQuantCache(model, c))
+            if progress:
+                progress(f"{config.name} retrieval_layers={n}: {_fmt(r.margins[n])}")
+        best = max(r.capped(n) for n in counts)
+        r.count = min(n for n in counts if r.capped(n) >= best - tolerance)
+        r.config = dataclasses.replace(config, retrieval_layers=r.count)
+        found.append(r)
+    return found
+
+
+def _fmt(margins: list[float]) -> str:
+    return " ".join(f"{m:+.2f}" for m in margins)
+
+
 def _protected(config: KVQuantConfig, layer: int, fmt: str) -> KVQuantConfig:
     over = {i: dict(f) for i, f in config.layer_overrides.items()}
     over[layer] = {**over.get(layer, {}), "key_format": fmt}

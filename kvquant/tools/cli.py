@@ -303,6 +303,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvquant.models import load_model
     from kvquant.tools.calibrate import calibrate_key_map, calibrate_static_scales
 
+    if args.retrieval and args.retrieval_count:
+        raise ValueError("--retrieval-count: give either --retrieval or --retrieval-count, not both")
+    if args.retrieval_count:
+        return _calibrate_retrieval_count(args)
     if args.retrieval:
         return _calibrate_retrieval(args)
     if args.key_map:
@@ -348,30 +352,74 @@ def _calibrate_retrieval(args: argparse.Namespace) -> int:
     if limit is not None and args.length > limit:
         raise ValueError(f"--length: {args.length} is above the model's context ({limit})")
     start = time.perf_counter()
+    max_layers = 3 if args.max_layers is None else args.max_layers
+    trials = 4 if args.trials is None else args.trials
     found = find_retrieval_layers(
         model,
         tok,
         cfg,
         length=args.length,
-        trials=args.trials,
+        trials=trials,
         protect_format=args.protect_format,
-        max_layers=args.max_layers,
+        max_layers=max_layers,
         tolerance=args.tolerance,
         progress=print,
     )
     minutes = (time.perf_counter() - start) / 60
     out = dataclasses.replace(found.config, name=Path(args.out).stem)
     head = [
-        f"# kvquant calibrate --retrieval --cache {args.cache} --length {args.length} --trials {args.trials} "
-        f"--protect-format {args.protect_format} --max-layers {args.max_layers} --tolerance {args.tolerance}",
+        f"# kvquant calibrate --retrieval --cache {args.cache} --length {args.length} --trials {trials} "
+        f"--protect-format {args.protect_format} --max-layers {max_layers} --tolerance {args.tolerance}",
         f"# model: {args.model or 'smollm2 (embedded)'}; retrieval layers (keys in {args.protect_format}): "
         f"{found.layers or 'none'}; for this model only; {minutes:.1f} min",
-        f"# passkey first-token margin, mean of {args.trials} prompts (seed 1): full precision "
+        f"# passkey first-token margin, mean of {trials} prompts (seed 1): full precision "
         f"{found.reference:+.3f}; {cfg.name} {found.margins[0]:+.3f}"
         + "".join(f", +L{found.layers[i]} {m:+.3f}" for i, m in enumerate(found.margins[1:])),
     ]
     Path(args.out).write_text("\n".join(head) + "\n" + out.to_yaml())
     print(f"wrote {args.out}: layers {found.layers or 'none'}; use it as --cache {args.out}")
+    return 0
+
+
+def _calibrate_retrieval_count(args: argparse.Namespace) -> int:
+    """``kvquant calibrate --retrieval-count``: the cache's config with the probed retrieval layers it
+    needs (``retrieval_layers: N``), N chosen on passkey prompts."""
+    from kvquant.eval.retrieval_layers import find_retrieval_count
+    from kvquant.models import load_model
+
+    cfg = check_cache("--cache", args.cache)
+    check_output_file("--out", args.out)
+    model, tok = flagged("--model", load_model, args.model)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and args.length > limit:
+        raise ValueError(f"--length: {args.length} is above the model's context ({limit})")
+    start = time.perf_counter()
+    max_count = 6 if args.max_layers is None else args.max_layers
+    trials = 5 if args.trials is None else args.trials
+    (found,) = find_retrieval_count(
+        model,
+        tok,
+        [cfg],
+        lengths=(args.length,),
+        trials=trials,
+        max_count=max_count,
+        tolerance=args.tolerance,
+        progress=print,
+    )
+    minutes = (time.perf_counter() - start) / 60
+    out = dataclasses.replace(found.config, name=Path(args.out).stem)
+    ref = sum(found.reference) / len(found.reference)
+    head = [
+        f"# kvquant calibrate --retrieval-count --cache {args.cache} --length {args.length} --trials {trials} "
+        f"--max-layers {max_count} --tolerance {args.tolerance}",
+        f"# model: {args.model or 'smollm2 (embedded)'}; retrieval_layers {found.count}; for this model only; "
+        f"{minutes:.1f} min",
+        f"# passkey prompts (seed 1) whose first token leads / mean capped first-token margin: full precision "
+        f"{sum(m > 0 for m in found.reference)}/{len(found.reference)} {ref:+.3f}; "
+        + ", ".join(f"{n}: {found.answered(n)} {found.capped(n):+.3f}" for n in found.margins),
+    ]
+    Path(args.out).write_text("\n".join(head) + "\n" + out.to_yaml())
+    print(f"wrote {args.out}: retrieval_layers {found.count}; use it as --cache {args.out}")
     return 0
 
 
@@ -418,11 +466,27 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--length", type=int_at_least(256), default=4096, help="retrieval: prompt tokens (default: 4096)"
     )
-    p.add_argument("--trials", type=int_at_least(1), default=4, help="retrieval: prompts (default: 4)")
+    p.add_argument(
+        "--trials",
+        type=int_at_least(1),
+        default=None,
+        help="retrieval: prompts (default: 4; 5 with --retrieval-count)",
+    )
     p.add_argument(
         "--protect-format", default="nuq4", help="retrieval: a chosen layer's key format (default: nuq4)"
     )
-    p.add_argument("--max-layers", type=int_at_least(0), default=3, help="retrieval: at most (default: 3)")
+    p.add_argument(
+        "--retrieval-count",
+        action="store_true",
+        help="write --cache's config with the number of probed retrieval layers (retrieval_layers) that "
+        "passkey prompts need (kvquant.eval.retrieval_layers.find_retrieval_count)",
+    )
+    p.add_argument(
+        "--max-layers",
+        type=int_at_least(0),
+        default=None,
+        help="retrieval: at most this many layers (default: 3; 6 with --retrieval-count)",
+    )
     p.add_argument(
         "--tolerance",
         type=float_above(0),

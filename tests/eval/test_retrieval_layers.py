@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from kvquant import KVQuantCache
 from kvquant.config import KVQuantConfig
 from kvquant.eval.retrieval import answer, answer_first_token, passkey_cases, passkey_prompt
-from kvquant.eval.retrieval_layers import find_retrieval_layers
+from kvquant.eval.retrieval_layers import find_retrieval_count, find_retrieval_layers
 
 KW = {"length": 360, "trials": 2, "digits": 3}
 
@@ -20,7 +20,7 @@ def _margins_by_prefill(model, tok, config, seed):
     margins = []
     for case in passkey_cases([KW["length"]], KW["trials"], KW["digits"], seed):
         ids, q_len = passkey_prompt(tok, case["length"], case["key"], case["depth"])
-        cache = DynamicCache(config=model.config) if config is None else KVQuantCache(model.config, config)
+        cache = DynamicCache(config=model.config) if config is None else KVQuantCache(model, config)
         margins.append(answer(model, cache, ids, q_len, 1, first=answer_first_token(tok, case["key"]))[1])
     return margins
 
@@ -71,6 +71,47 @@ def test_the_search_keeps_the_configs_own_overrides_and_checks_its_arguments(tin
         find_retrieval_layers(tiny, byte_tok, cfg, protect_format="int5", **KW)
     with pytest.raises(ValueError, match="max_layers"):
         find_retrieval_layers(tiny, byte_tok, cfg, max_layers=-1, **KW)
+
+
+def test_the_count_scores_what_a_prefill_gives_and_takes_the_smallest_count_near_the_best(tiny, byte_tok):
+    # 2-bit keys (seed 5: prompts where they lower the margin); a retrieval layer passes its keys and
+    # values through: with every layer one, the cache holds what full precision holds
+    cfg = KVQuantConfig(key_format="int2", value_format="none", retrieval_format="none", name="k2")
+    n, seed = tiny.config.num_hidden_layers, 5
+    kw = {"lengths": (KW["length"],), "trials": KW["trials"], "digits": KW["digits"], "seed": seed}
+    (found,) = find_retrieval_count(tiny, byte_tok, [cfg], max_count=n, tolerance=1e-4, **kw)
+    with torch.no_grad():
+        full = _margins_by_prefill(tiny, byte_tok, None, seed)
+        assert found.reference == pytest.approx(full, abs=1e-4)
+        for count in (0, n):
+            by_prefill = _margins_by_prefill(
+                tiny, byte_tok, dataclasses.replace(cfg, retrieval_layers=count), seed
+            )
+            assert found.margins[count] == pytest.approx(by_prefill, abs=1e-4)
+    reference = sum(full) / len(full)
+    assert found.capped(0) < reference - 0.01  # 2-bit keys everywhere lose margin
+    assert found.capped(n) == pytest.approx(reference, abs=1e-4)  # all layers passed through
+    assert found.answered(n) == sum(m > 0 for m in full)
+    # the smallest count within the tolerance of the best; none below it is
+    best = max(found.capped(c) for c in found.margins)
+    assert found.capped(found.count) >= best - 1e-4
+    assert all(found.capped(c) < best - 1e-4 for c in range(found.count))
+    assert found.config == dataclasses.replace(cfg, retrieval_layers=found.count)
+    # a tolerance as wide as the whole gain takes no layer
+    (wide,) = find_retrieval_count(tiny, byte_tok, [cfg], max_count=n, tolerance=1.0, **kw)
+    assert wide.count == 0 and wide.margins == found.margins
+
+
+def test_the_count_checks_its_arguments(tiny, byte_tok):
+    cfg = KVQuantConfig(key_format="int2", value_format="int2", name="kv2")
+    kw = {"lengths": (KW["length"],), "trials": KW["trials"], "digits": KW["digits"], "seed": 5}
+    with pytest.raises(ValueError, match="max_count"):
+        find_retrieval_count(tiny, byte_tok, [cfg], max_count=-1, **kw)
+    channel_keys = dataclasses.replace(
+        KVQuantConfig.resolve("kivi2"), retrieval_layers=0, retrieval_format="nuq4"
+    )
+    with pytest.raises(ValueError, match="retrieval_format"):  # nuq4 on the channel axis: before any prompt
+        find_retrieval_count(tiny, object(), [channel_keys], **kw)
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs" / "retrieval").glob("*.yaml")))

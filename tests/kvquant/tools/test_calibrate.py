@@ -119,3 +119,28 @@ def test_cli_writes_a_retrieval_config_a_cache_takes(tiny_model_dir, tmp_path, c
     cache = KVQuantCache(model.config, cfg)
     with torch.no_grad():
         model(input_ids=torch.randint(3, 100, (1, 40)), cache=cache, use_cache=True)
+
+
+def test_cli_writes_the_retrieval_count_a_cache_takes(tiny_model_dir, tmp_path, capsys):
+    import dataclasses
+
+    from kvquant.config import KVQuantConfig
+    from kvquant.models import load_model
+    from kvquant.tools.cli import main
+
+    out = tmp_path / "count.yaml"
+    argv = ["calibrate", "--retrieval-count", "--model", str(tiny_model_dir), "--cache", "int4"]
+    argv += ["--length", "360", "--trials", "2", "--max-layers", "1", "--out", str(out)]
+    assert main(argv) == 0
+    cfg = KVQuantConfig.resolve(str(out))
+    assert f"wrote {out}: retrieval_layers {cfg.retrieval_layers}" in capsys.readouterr().out
+    text = out.read_text()
+    assert text.startswith(
+        "# kvquant calibrate --retrieval-count --cache int4 --length 360 --trials 2 --max-layers 1"
+    )
+    assert "full precision" in text and "; 0: " in text and ", 1: " in text  # both counts scored
+    assert cfg.retrieval_layers in (0, 1)
+    base = KVQuantConfig.resolve("int4")
+    assert dataclasses.replace(cfg, name="int4", retrieval_layers=0) == base
+    model, _ = load_model(str(tiny_model_dir))
+    assert len(KVQuantCache(model, cfg).retrieval_layers) == cfg.retrieval_layers

@@ -174,6 +174,16 @@ CASES: dict[str, tuple[str, list[str], str]] = {
         ["--retrieval", "--cache", "nosuch"],
         "--cache: config: no such preset or YAML file 'nosuch'",
     ),
+    "calibrate --retrieval --retrieval-count": (
+        "calibrate",
+        ["--retrieval", "--retrieval-count"],
+        "--retrieval-count: give either --retrieval or --retrieval-count, not both",
+    ),
+    "calibrate --retrieval-count --cache nosuch": (
+        "calibrate",
+        ["--retrieval-count", "--cache", "nosuch"],
+        "--cache: config: no such preset or YAML file 'nosuch'",
+    ),
     "no command": ("none", [], "COMMAND"),
     "unknown command": ("none", ["nosuch"], "invalid choice: 'nosuch'"),
     # ---------------------------------------------------------------- models
