@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="4096,max", help="comma-separated; max: the model's limit")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--digits", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0, the evaluation's prompts)")
     p.add_argument("--out", required=True, help="JSON-lines file, one answer per line (appended)")
     args = p.parse_args(argv)
     lengths = [x if x == "max" else int(x) for x in args.lengths.split(",")]
@@ -57,7 +58,14 @@ def main(argv: list[str] | None = None) -> int:
 
     builds = {s.name: (lambda s=s: s.build(model)) for s in specs}
     res = passkey_accuracy_shared(
-        model, tok, builds, lengths=lengths, trials=args.trials, digits=args.digits, on_answer=log
+        model,
+        tok,
+        builds,
+        lengths=lengths,
+        trials=args.trials,
+        digits=args.digits,
+        seed=args.seed,
+        on_answer=log,
     )
     head = ["cache", *[f"passkey @{n}" for n in lengths], *[f"margin @{n}" for n in lengths]]
     rows = [

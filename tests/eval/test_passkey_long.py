@@ -17,3 +17,20 @@ def test_two_caches_of_one_name_are_refused(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "--caches" in err and "'same'" in err
     assert not out.exists()
+
+
+def test_seed_picks_the_prompts(tmp_path, monkeypatch, tiny, byte_tok):
+    # --seed 1: prompts the evaluation (seed 0) does not use, e.g. to choose a config on
+    seen = {}
+
+    def answers(model, tok, builds, **kw):
+        seen.update(kw)
+        return {}
+
+    monkeypatch.setattr(passkey_long, "load_eval_model", lambda cfg: (tiny, byte_tok))
+    monkeypatch.setattr(passkey_long, "passkey_accuracy_shared", answers)
+    out = str(tmp_path / "answers.jsonl")
+    assert passkey_long.main(["--caches", "int8", "--lengths", "360", "--seed", "1", "--out", out]) == 0
+    assert seen["seed"] == 1 and seen["lengths"] == [360]
+    assert passkey_long.main(["--caches", "int8", "--lengths", "360", "--out", out]) == 0
+    assert seen["seed"] == 0
