@@ -397,5 +397,5 @@ def test_shipped_tuned_configs_load_and_meet_their_budget(path):
 def test_the_base_loses_its_retrieval_layers_the_tuner_places_every_layer():
     from kvquant.tools.tune import check_base
 
-    assert KVQuantConfig.resolve("tcq2-recent").retrieval_layers == 3
+    assert KVQuantConfig.resolve("tcq2-recent").retrieval_layers == 4
     assert check_base("tcq2-recent").retrieval_layers == 0

@@ -317,7 +317,7 @@ _RECIPE = dict(rotation="hadamard", smoothing="mean", sink_tokens=4)  # every co
 _RECENT = dict(residual_length=4, recent_key_format="nuq4", recent_value_format="nuq4")
 # the 2-bit window recipe: keys scaled per 32 channels, 8-bit scales, a 96-token window
 _RECENT_2BIT = dict(key_group_size=32, scale_dtype="float8_e4m3", recent_length=96, **_RECENT)
-_PROBED = dict(retrieval_layers=3)  # keys and values of 3 probed retrieval layers in nuq4 (<= 3 bits)
+_PROBED = dict(retrieval_layers=4)  # keys and values of 4 probed retrieval layers in nuq4 (<= 3 bits)
 PINNED = {  # what the low-bit presets are; a change here is a change of a measured recipe
     "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16),
     "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8, **_PROBED),
