@@ -41,8 +41,8 @@ class CpuBackend(Backend):
     """The C kernels on CPU: decode of every quantized format (codes read one by one or, trellis,
     by their state; not ``none``) up to ``MAX_HEAD_DIM``, full-precision tokens in the same call;
     quantize of the integer, codebook, fp8 and trellis formats on the token axis with computed
-    scales; the trellis search; the Hadamard rotation; dequantizing a store's rows (tokens moving
-    between tiers)."""
+    scales (the integer formats also on the channel axis: KIVI's keys); the trellis search; the
+    Hadamard rotation; dequantizing a store's rows (tokens moving between tiers)."""
 
     name = "cpu"
     devices = frozenset({"cpu"})
@@ -65,8 +65,8 @@ class CpuBackend(Backend):
     def supports_quantize(self, call: QuantizeCall) -> str | None:
         if call.fmt not in QUANTIZE_FORMATS:
             return f"writes {', '.join(sorted(QUANTIZE_FORMATS))}"
-        if call.axis != "token" or call.static_scale:
-            return "computed scales along the token axis"
+        if call.static_scale or not (call.axis == "token" or format_spec(call.fmt).integer):
+            return "computed scales along the token axis (an integer format: also the channel axis)"
         if call.scale_dtype not in _WRITTEN_SCALE_DTYPES:
             return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
         if not writes_head(call.fmt, call.head_dim):
@@ -91,6 +91,8 @@ class CpuBackend(Backend):
         return None
 
     def supports_transcode(self, call: TranscodeCall) -> str | None:
+        if call.dst_axis != "token":
+            return "into a store along the token axis"
         read, write = call.parts()
         return self.supports_dequantize(read) or self.supports_quantize(write)
 
@@ -104,10 +106,10 @@ class CpuBackend(Backend):
         return NativeDecode((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), **kw)
 
     def quantize_append(self, x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool:
-        return quantize_into(x, codes, scale, zero, index, fmt)
+        return quantize_into(x, codes, scale, zero, index, fmt, group_size if axis == "channel" else 1)
 
     def plan_quantize(self, codes, scale, zero, *, fmt, group_size, axis, static_scale) -> NativeWrite:
-        return NativeWrite(codes, scale, zero, fmt)
+        return NativeWrite(codes, scale, zero, fmt, group_size if axis == "channel" else 1)
 
     def encode(self, y: torch.Tensor, fmt: str) -> torch.Tensor:
         return search(y, format_spec(fmt).bits)

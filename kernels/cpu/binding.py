@@ -376,11 +376,12 @@ def decode_attention_native(
 
 
 def native_quantizes(store, x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_into_store` applies: CPU, a format of ``QUANTIZE_FORMATS`` along the
-    token axis with computed scales, a scale dtype the kernels write, and the kernels built."""
+    """Whether :func:`quantize_into_store` applies: CPU, a format of ``QUANTIZE_FORMATS`` with
+    computed scales along the token axis (an integer format also along the channel axis), a scale
+    dtype the kernels write, and the kernels built."""
     return (
         not x.is_cuda
-        and store.axis == "token"
+        and (store.axis == "token" or (store.axis == "channel" and format_spec(store.fmt).integer))
         and store.static_scale is None
         and store.fmt in QUANTIZE_FORMATS
         and writes_head(store.fmt, x.shape[-1])
@@ -399,7 +400,8 @@ def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
     """
     if not native_quantizes(store, x):
         return False
-    return quantize_into(x, store.codes, store.scale, store.zero, index, store.fmt)
+    block = store.group_size if store.axis == "channel" else 1
+    return quantize_into(x, store.codes, store.scale, store.zero, index, store.fmt, block)
 
 
 @functools.cache
@@ -418,11 +420,13 @@ _WRITER_KINDS = {
 _WRITERS: dict[tuple, _Writer] = {}  # described writes by buffer address and layout (see _cached_writer)
 
 
-def _writer_of(codes, scale, zero, fmt: str) -> _Writer:
+def _writer_of(codes, scale, zero, fmt: str, block: int = 1) -> _Writer:
     """Describe the writes into one store's buffers (at token 0): pointers, strides and the
-    format's constants and tables (built once per format, kept alive by their caches)."""
+    format's constants and tables (built once per format, kept alive by their caches); ``block``:
+    tokens per scale row (an integer format's channel-axis keys), else 1."""
     spec = format_spec(fmt)
     w = _Writer(codes.data_ptr(), *_strides(codes))
+    w.block = block
     w.scale = scale.data_ptr()
     w.zero = None if zero is None else zero.data_ptr()
     w.ssb, w.ssh, w.sst = _strides(scale)
@@ -439,19 +443,20 @@ def _writer_of(codes, scale, zero, fmt: str) -> _Writer:
     return w
 
 
-def _cached_writer(codes, scale, zero, fmt: str) -> _Writer:
-    """:func:`_writer_of`, memoised as :func:`_cached_operand` is: a pure function of the format and
-    each buffer's address, shape, strides and dtype (a store writes into the same buffers step after
-    step)."""
-    key = (fmt, _layout(codes), _layout(scale), _layout(zero))
+def _cached_writer(codes, scale, zero, fmt: str, block: int = 1) -> _Writer:
+    """:func:`_writer_of`, memoised as :func:`_cached_operand` is: a pure function of the format, the
+    block and each buffer's address, shape, strides and dtype (a store writes into the same buffers
+    step after step)."""
+    key = (fmt, block, _layout(codes), _layout(scale), _layout(zero))
     w = _WRITERS.get(key)
-    return w if w is not None else _remember(_WRITERS, key, _writer_of(codes, scale, zero, fmt))
+    return w if w is not None else _remember(_WRITERS, key, _writer_of(codes, scale, zero, fmt, block))
 
 
 class NativeWrite:
     """:func:`quantize_into` for fixed buffers: the writer described once (``codes``, ``scale``,
     ``zero`` as :func:`quantize_into` takes them), each call passes ``x`` and ``index``: ``run(x,
-    index) -> bool`` (False: the spec refuses these values, nothing counted written).
+    index) -> bool`` (False: the spec refuses these values, nothing counted written). ``block``:
+    tokens per scale row, as :func:`quantize_into` takes it.
 
     Example:
         >>> run = NativeWrite(codes, scale, None, "nuq4")
@@ -459,8 +464,8 @@ class NativeWrite:
         True
     """
 
-    def __init__(self, codes, scale, zero, fmt: str):
-        self._w = _cached_writer(codes, scale, zero, fmt)
+    def __init__(self, codes, scale, zero, fmt: str, block: int = 1):
+        self._w = _cached_writer(codes, scale, zero, fmt, block)
         self._keep = (codes, scale, zero)  # the buffers written stay alive with the plan
         self._fn, self._fmt = _library().kvq_write, fmt
 
@@ -485,15 +490,16 @@ class NativeWrite:
         return rc == 0
 
 
-def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
+def quantize_into(x, codes, scale, zero, index: int, fmt: str, block: int = 1) -> bool:
     """``x [B, H, n, D]`` into the buffers ``codes [B, H, cap, W]``, ``scale`` / ``zero
     [B, H, cap, D / G]`` at buffer index ``index`` (a format of ``QUANTIZE_FORMATS``, token axis,
     fp32 / fp16 / bf16 / fp8 e4m3 scales, CPU, the kernels built, a head :func:`writes_head`
     takes): the integer formats, the codebooks' scale search, fp8 and the trellis codes with their
     scales, bit-identical to :func:`kvquant.formats.quantize` (sums of squares in torch's order;
-    where torch's square root lands an ulp off, a scale an ulp off: see ``quantize_cpu.c``). False
-    where the spec refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted
-    written.
+    where torch's square root lands an ulp off, a scale an ulp off: see ``quantize_cpu.c``). An
+    integer format also along the channel axis (KIVI's keys): ``block`` = G tokens per scale row,
+    ``scale`` / ``zero [B, H, cap / G, D]``, ``index`` and ``n`` multiples of G. False where the
+    spec refuses the values (NaN / Inf, a scale the dtype cannot hold): nothing counted written.
 
     Example:
         >>> codes = torch.empty(1, 2, 8, 32, dtype=torch.uint8)               # nuq4, head_dim 64
@@ -501,7 +507,9 @@ def quantize_into(x, codes, scale, zero, index: int, fmt: str) -> bool:
         >>> quantize_into(torch.randn(1, 2, 3, 64), codes, scale, None, 0, "nuq4")
         True
     """
-    return NativeWrite(codes, scale, zero, fmt)(x, index)
+    if block > 1 and not format_spec(fmt).integer:
+        raise ValueError(f"fmt: the C kernels quantize {fmt} along the token axis only")
+    return NativeWrite(codes, scale, zero, fmt, block)(x, index)
 
 
 _VIA = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the dtypes a transcode rounds through

@@ -92,6 +92,7 @@ class _Writer(ctypes.Structure):
         ("grid", ctypes.c_void_p),
         ("table", ctypes.c_void_p),
         ("two_pass_from", ctypes.c_int64),
+        ("block", ctypes.c_int64),
     ]
 
 
@@ -143,7 +144,7 @@ def _load(path: Path) -> ctypes.CDLL:
     qz = lib.kvq_quantize
     qz.restype = ctypes.c_int
     qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]
-    qz.argtypes += [ctypes.c_int] * 4
+    qz.argtypes += [ctypes.c_int] * 4 + [i64]
     head = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64]  # x, its shape and strides, codes
     cb = lib.kvq_quantize_codebook
     cb.restype = ctypes.c_int

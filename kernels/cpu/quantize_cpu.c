@@ -136,64 +136,85 @@ static void pack_row(const uint8_t *restrict q, int bits, int64_t D, uint8_t *re
     }
 }
 
+/* One scale group of the integer formats: the gs elements xg[0], xg[xs], ... -> codes qg[0], qg[qs],
+ * ... (one per byte), the scale (and, asymmetric, the zero point) rounded into element si of scale /
+ * zero. bits 8 + is_signed: int8 symmetric; bits 4 / 3 / 2: asymmetric. Returns 1 when an element
+ * or a rounded statistic is not finite, else 0. */
+static int int_group(const float *xg, int64_t xs, int64_t gs, uint8_t *qg, int64_t qs, void *scale, void *zero,
+                     int64_t si, int scale_dtype, float qmax, int is_signed) {
+    int bad = 0;
+    if (is_signed) {
+        float amax = 0.0f;
+        for (int64_t d = 0; d < gs; d++) {
+            const float v = xg[d * xs];
+            if (!isfinite(v)) bad = 1;
+            const float a = fabsf(v);
+            amax = a > amax ? a : amax;
+        }
+        float raw = amax / qmax;
+        if (raw == 0.0f) raw = 1.0f;
+        const float s = store_scalar(scale, si, scale_dtype, raw, +1);
+        if (!isfinite(s)) bad = 1;
+        for (int64_t d = 0; d < gs; d++) {
+            float y = xg[d * xs] / s;
+            y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
+            qg[d * qs] = (uint8_t)(int8_t)nearbyintf(y);
+        }
+        return bad;
+    }
+    float mn = xg[0], mx = xg[0];
+    for (int64_t d = 0; d < gs; d++) {
+        const float v = xg[d * xs];
+        if (!isfinite(v)) bad = 1;
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+    }
+    const float z = store_scalar(zero, si, scale_dtype, mn, -1);
+    float raw = (mx - z) / qmax;
+    if (raw == 0.0f) raw = 1.0f;
+    const float s = store_scalar(scale, si, scale_dtype, raw, +1);
+    if (!isfinite(s) || !isfinite(z)) bad = 1;
+    for (int64_t d = 0; d < gs; d++) {
+        float y = nearbyintf((xg[d * xs] - z) / s);
+        y = y < 0.0f ? 0.0f : (y > qmax ? qmax : y);
+        qg[d * qs] = (uint8_t)y;
+    }
+    return bad;
+}
+
 /* x [B, H, n, D] fp32 (element strides, D contiguous) -> codes / scale / zero at the store's
  * position (pointers already offset there; codes byte strides, scale/zero element strides).
- * bits 8 + is_signed: int8 symmetric; bits 4 / 3 / 2: asymmetric. Returns 0, 1 when an input or a
- * rounded scale / zero point is not finite (nothing useful written: the caller re-runs the torch
- * path, which raises its message), -1 when out of memory. */
+ * Token axis (block 1): scale / zero [.., n, n_groups], one per n_groups channels of a token.
+ * Channel axis (block G > 1, KIVI's keys): scale / zero [.., n / G, D], one per channel of a block
+ * of G tokens; n a multiple of G (the ops check it). Returns 0, 1 when an input or a rounded scale
+ * / zero point is not finite (nothing useful written: the caller re-runs the torch path, which
+ * raises its message), -1 when out of memory. */
 int kvq_quantize(const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb, int64_t xsh,
                  int64_t xst, uint8_t *codes, int64_t csb, int64_t csh, int64_t cst, void *scale,
                  void *zero, int64_t ssb, int64_t ssh, int64_t sst, int scale_dtype, int bits,
-                 int is_signed, int n_groups) {
-    const int64_t gs = D / n_groups;
+                 int is_signed, int n_groups, int64_t block) {
     const float qmax = bits == 8 ? 127.0f : (float)((1 << bits) - 1);
-    uint8_t *q = malloc((size_t)D);
+    const int64_t rows = block > 1 ? block : 1; /* tokens quantized together */
+    uint8_t *q = malloc((size_t)(rows * D));    /* [rows, D] codes, one per byte */
     if (!q) return -1;
     int bad = 0;
     for (int64_t b = 0; b < B && !bad; b++)
         for (int64_t h = 0; h < H && !bad; h++)
-            for (int64_t t = 0; t < n && !bad; t++) {
+            for (int64_t t = 0; t < n && !bad; t += rows) {
                 const float *row = x + b * xsb + h * xsh + t * xst;
-                const int64_t si = b * ssb + h * ssh + t * sst;
-                for (int64_t g = 0; g < n_groups; g++) {
-                    const float *xg = row + g * gs;
-                    uint8_t *qg = q + g * gs;
-                    if (is_signed) {
-                        float amax = 0.0f;
-                        for (int64_t d = 0; d < gs; d++) {
-                            if (!isfinite(xg[d])) bad = 1;
-                            const float a = fabsf(xg[d]);
-                            amax = a > amax ? a : amax;
-                        }
-                        float raw = amax / qmax;
-                        if (raw == 0.0f) raw = 1.0f;
-                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
-                        if (!isfinite(s)) bad = 1;
-                        for (int64_t d = 0; d < gs; d++) {
-                            float y = xg[d] / s;
-                            y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
-                            qg[d] = (uint8_t)(int8_t)nearbyintf(y);
-                        }
-                    } else {
-                        float mn = xg[0], mx = xg[0];
-                        for (int64_t d = 0; d < gs; d++) {
-                            if (!isfinite(xg[d])) bad = 1;
-                            mn = xg[d] < mn ? xg[d] : mn;
-                            mx = xg[d] > mx ? xg[d] : mx;
-                        }
-                        const float z = store_scalar(zero, si + g, scale_dtype, mn, -1);
-                        float raw = (mx - z) / qmax;
-                        if (raw == 0.0f) raw = 1.0f;
-                        const float s = store_scalar(scale, si + g, scale_dtype, raw, +1);
-                        if (!isfinite(s) || !isfinite(z)) bad = 1;
-                        for (int64_t d = 0; d < gs; d++) {
-                            float y = nearbyintf((xg[d] - z) / s);
-                            y = y < 0.0f ? 0.0f : (y > qmax ? qmax : y);
-                            qg[d] = (uint8_t)y;
-                        }
-                    }
+                const int64_t si = b * ssb + h * ssh + (t / rows) * sst;
+                if (rows > 1) {
+                    for (int64_t d = 0; d < D; d++)
+                        bad |= int_group(row + d, xst, rows, q + d, D, scale, zero, si + d, scale_dtype, qmax,
+                                         is_signed);
+                } else {
+                    const int64_t gs = D / n_groups;
+                    for (int64_t g = 0; g < n_groups; g++)
+                        bad |= int_group(row + g * gs, 1, gs, q + g * gs, 1, scale, zero, si + g, scale_dtype,
+                                         qmax, is_signed);
                 }
-                pack_row(q, bits, D, codes + b * csb + h * csh + t * cst);
+                for (int64_t j = 0; j < rows; j++)
+                    pack_row(q + j * D, bits, D, codes + b * csb + h * csh + (t + j) * cst);
             }
     free(q);
     return bad;
@@ -767,6 +788,7 @@ typedef struct {
     const float *levels, *grid;       /* codebook levels [16], search grid [n_grid] */
     const float *table;               /* trellis state table [2**L] */
     int64_t two_pass_from;            /* trellis */
+    int64_t block;                    /* integer: tokens per scale row (channel axis), else 1 */
 } kvq_writer;
 
 static int64_t scale_bytes(int dtype) { return dtype == 0 ? 4 : (dtype == 3 ? 1 : 2); }
@@ -776,12 +798,12 @@ static int64_t scale_bytes(int dtype) { return dtype == 0 ? 4 : (dtype == 3 ? 1 
 int kvq_write(const kvq_writer *w, const float *x, int64_t B, int64_t H, int64_t n, int64_t D, int64_t xsb,
               int64_t xsh, int64_t xst, int64_t index, int n_threads) {
     uint8_t *codes = w->codes + index * w->cst;
-    const int64_t off = index * w->sst * scale_bytes(w->scale_dtype);
+    const int64_t off = index / (w->block > 1 ? w->block : 1) * w->sst * scale_bytes(w->scale_dtype);
     void *scale = (char *)w->scale + off, *zero = w->zero ? (char *)w->zero + off : scale;
     switch (w->kind) {
     case 0:
         return kvq_quantize(x, B, H, n, D, xsb, xsh, xst, codes, w->csb, w->csh, w->cst, scale, zero, w->ssb,
-                            w->ssh, w->sst, w->scale_dtype, w->bits, w->is_signed, w->n_groups);
+                            w->ssh, w->sst, w->scale_dtype, w->bits, w->is_signed, w->n_groups, w->block);
     case 1:
         return kvq_quantize_codebook(x, B, H, n, D, xsb, xsh, xst, codes, w->csb, w->csh, w->cst, scale, w->ssb,
                                      w->ssh, w->sst, w->scale_dtype, w->bits, w->n_groups, w->levels, w->grid,

@@ -250,7 +250,40 @@ def test_native_quantize_refuses_what_the_spec_refuses():
         quantize(huge, "int4")
     # formats / layouts it does not write: the ops take another backend
     assert ops.backend_for("quantize_append", fmt="fp8_e4m3", head_dim=16, static_scale=True) != "cpu"
-    assert ops.backend_for("quantize_append", fmt="int4", head_dim=16, group_size=4, axis="channel") != "cpu"
+    assert ops.backend_for("quantize_append", fmt="nuq4", head_dim=16, group_size=4, axis="channel") != "cpu"
+    assert ops.backend_for("quantize_append", fmt="int4", head_dim=16, group_size=4, axis="channel") == "cpu"
+
+
+@pytest.mark.parametrize("fmt", ["int2", "int3", "int4", "int8"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_native_quantize_along_the_channel_axis_is_the_spec_bit_for_bit(fmt, scale_dtype):
+    """KIVI's keys: one scale (and zero point) per channel of a block of G tokens, blocks written at
+    a block index past the start; buffers poisoned (codes 0xA5, scales NaN) outside the rows written."""
+    torch.manual_seed(11)
+    b, h, g, d, blocks = 2, 3, 16, 80, 3  # 80: int4 planes of 40, int2 of 20, int3 of 20 + 10 bytes
+    x = torch.randn(b, h, blocks * g, d) * 2.5 + 0.7
+    x[0, 1, :g, 5] = 0.25  # a constant channel in a block: scale 1 by the spec
+    x[1, 2, g : 2 * g, 7] = 3e-8  # statistics that underflow in the scale dtype
+    spec = format_spec(fmt)
+    cap = (blocks + 2) * g
+    codes = torch.full((b, h, cap, spec.code_width(d)), 0xA5, dtype=torch.uint8)
+    scale = torch.full((b, h, cap // g, d), float("nan")).to(scale_dtype)
+    zero = torch.full_like(scale, float("nan")) if spec.has_zero else None
+    assert native.quantize_into(x, codes.view(spec.code_dtype), scale, zero, g, fmt, g)
+    ref = quantize(x, fmt, group_size=g, axis="channel", scale_dtype=scale_dtype)
+    written = slice(g, (blocks + 1) * g)
+    assert torch.equal(codes[:, :, written], ref.codes.view(torch.uint8))
+    assert torch.equal(scale[:, :, 1 : blocks + 1].view(torch.uint8), ref.scale.view(torch.uint8))
+    if spec.has_zero:
+        assert torch.equal(zero[:, :, 1 : blocks + 1].view(torch.uint8), ref.zero.view(torch.uint8))
+        assert zero[:, :, 0].float().isnan().all() and zero[:, :, blocks + 1 :].float().isnan().all()
+    assert (codes[:, :, :g] == 0xA5).all() and (codes[:, :, (blocks + 1) * g :] == 0xA5).all()
+    assert scale[:, :, 0].float().isnan().all() and scale[:, :, blocks + 1 :].float().isnan().all()
+    bad = x.clone()
+    bad[1, 0, 2 * g + 3, 9] = float("inf")
+    assert not native.quantize_into(bad, codes.view(spec.code_dtype), scale, zero, 0, fmt, g)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(bad, fmt, group_size=g, axis="channel", scale_dtype=scale_dtype)
 
 
 def _with_fp_tokens(fmts, groups, t, n, heads, start, valid, seed):
