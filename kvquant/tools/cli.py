@@ -335,22 +335,30 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _calibrate_retrieval(args: argparse.Namespace) -> int:
-    """``kvquant calibrate --retrieval``: the cache's config with its retrieval layers' keys protected."""
-    from kvquant.eval.retrieval_layers import find_retrieval_layers
-    from kvquant.formats import FORMAT_NAMES
+def _retrieval_inputs(args: argparse.Namespace):
+    """``--cache``'s config, the model and its tokenizer for ``calibrate --retrieval[-count]``, each
+    flag checked (``--out`` writable, ``--length`` within the model's context) before the long part."""
     from kvquant.models import load_model
 
     cfg = check_cache("--cache", args.cache)
-    if args.protect_format not in FORMAT_NAMES:
-        raise ValueError(
-            f"--protect-format: invalid value {args.protect_format!r}; allowed: {', '.join(FORMAT_NAMES)}"
-        )
     check_output_file("--out", args.out)
     model, tok = flagged("--model", load_model, args.model)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and args.length > limit:
         raise ValueError(f"--length: {args.length} is above the model's context ({limit})")
+    return cfg, model, tok
+
+
+def _calibrate_retrieval(args: argparse.Namespace) -> int:
+    """``kvquant calibrate --retrieval``: the cache's config with its retrieval layers' keys protected."""
+    from kvquant.eval.retrieval_layers import find_retrieval_layers
+    from kvquant.formats import FORMAT_NAMES
+
+    if args.protect_format not in FORMAT_NAMES:
+        raise ValueError(
+            f"--protect-format: invalid value {args.protect_format!r}; allowed: {', '.join(FORMAT_NAMES)}"
+        )
+    cfg, model, tok = _retrieval_inputs(args)
     start = time.perf_counter()
     max_layers = 3 if args.max_layers is None else args.max_layers
     trials = 4 if args.trials is None else args.trials
@@ -385,14 +393,8 @@ def _calibrate_retrieval_count(args: argparse.Namespace) -> int:
     """``kvquant calibrate --retrieval-count``: the cache's config with the probed retrieval layers it
     needs (``retrieval_layers: N``), N chosen on passkey prompts."""
     from kvquant.eval.retrieval_layers import find_retrieval_count
-    from kvquant.models import load_model
 
-    cfg = check_cache("--cache", args.cache)
-    check_output_file("--out", args.out)
-    model, tok = flagged("--model", load_model, args.model)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and args.length > limit:
-        raise ValueError(f"--length: {args.length} is above the model's context ({limit})")
+    cfg, model, tok = _retrieval_inputs(args)
     start = time.perf_counter()
     max_count = 6 if args.max_layers is None else args.max_layers
     trials = 5 if args.trials is None else args.trials
