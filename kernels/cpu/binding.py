@@ -467,9 +467,14 @@ class NativeWrite:
     def __init__(self, codes, scale, zero, fmt: str, block: int = 1):
         self._w = _cached_writer(codes, scale, zero, fmt, block)
         self._keep = (codes, scale, zero)  # the buffers written stay alive with the plan
-        self._fn, self._fmt = _library().kvq_write, fmt
+        self._fn, self._fmt, self._block = _library().kvq_write, fmt, block
 
     def __call__(self, x: torch.Tensor, index: int) -> bool:
+        g = self._block
+        if g > 1 and (index % g or x.shape[2] % g):
+            raise ValueError(
+                f"index / n: channel axis needs both multiples of group_size {g}, got {index}, {x.shape[2]}"
+            )
         xf = x.float()
         if xf.stride(-1) != 1:
             xf = xf.contiguous()

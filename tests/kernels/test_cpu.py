@@ -284,6 +284,10 @@ def test_native_quantize_along_the_channel_axis_is_the_spec_bit_for_bit(fmt, sca
     assert not native.quantize_into(bad, codes.view(spec.code_dtype), scale, zero, 0, fmt, g)
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize(bad, fmt, group_size=g, axis="channel", scale_dtype=scale_dtype)
+    with pytest.raises(
+        ValueError, match="multiples of group_size 16"
+    ):  # a part of a block: refused, not read past
+        native.quantize_into(x[:, :, : g + 3], codes.view(spec.code_dtype), scale, zero, 0, fmt, g)
 
 
 def _with_fp_tokens(fmts, groups, t, n, heads, start, valid, seed):
