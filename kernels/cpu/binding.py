@@ -400,8 +400,7 @@ def quantize_into_store(store, index: int, x: torch.Tensor) -> bool:
     """
     if not native_quantizes(store, x):
         return False
-    block = store.group_size if store.axis == "channel" else 1
-    return quantize_into(x, store.codes, store.scale, store.zero, index, store.fmt, block)
+    return quantize_into(x, store.codes, store.scale, store.zero, index, store.fmt, store.block)
 
 
 @functools.cache

@@ -365,3 +365,15 @@ def test_the_portable_c_path_matches_too(flag, monkeypatch, tmp_path):
     mean = k.mean(2, keepdim=True)
     got_k, got_v = ops.rotate_pair(k, v, mean=mean, backend="cpu")
     assert torch.equal(got_k, rotate_ref(k - mean)) and torch.equal(got_v, rotate_ref(v))
+
+
+def test_a_channel_axis_store_is_written_in_c_by_its_block():
+    from kvquant.cache.store import TokenStore
+
+    store = TokenStore("int4", 16, "channel", torch.float16)
+    store.allocate(1, 2, 64, 64, torch.float32, torch.device("cpu"))
+    x = torch.randn(1, 2, 32, 64)
+    assert native.native_quantizes(store, x) and native.quantize_into_store(store, 16, x)
+    ref = quantize(x, "int4", group_size=16, axis="channel")
+    assert torch.equal(store.codes[:, :, 16:48], ref.codes)
+    assert torch.equal(store.scale[:, :, 1:3], ref.scale) and torch.equal(store.zero[:, :, 1:3], ref.zero)
