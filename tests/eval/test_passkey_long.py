@@ -1,5 +1,7 @@
 """python -m kvquant.eval.passkey_long: bad --caches fail before the model loads."""
 
+import json
+
 import pytest
 
 from kvquant.eval import passkey_long
@@ -34,3 +36,61 @@ def test_seed_picks_the_prompts(tmp_path, monkeypatch, tiny, byte_tok):
     assert seen["seed"] == 1 and seen["lengths"] == [360]
     assert passkey_long.main(["--caches", "int8", "--lengths", "360", "--out", out]) == 0
     assert seen["seed"] == 0
+
+
+def _answer(trial, correct, margin, length=360):
+    return {"length": length, "trial": trial, "key": "12345", "depth": 0.5, "answer": "", "correct": correct,
+            "margin": margin}  # fmt: skip
+
+
+def test_seeds_are_pooled_and_recorded(tmp_path, monkeypatch, capsys, tiny, byte_tok):
+    # --seed 0,2: each prompt set runs in turn; every line says its seed; the table counts both sets
+    calls = []
+
+    def answers(model, tok, builds, *, seed, on_answer, **kw):
+        calls.append(seed)
+        out = {}
+        for name in builds:
+            got = [
+                _answer(0, True, 1.0),
+                _answer(1, name == "dynamic" or seed == 2, 0.5 if seed == 2 else -0.5),
+            ]
+            for a in got:
+                on_answer(name, a)
+            out[name] = {"answers": got}
+        return out
+
+    monkeypatch.setattr(passkey_long, "load_eval_model", lambda cfg: (tiny, byte_tok))
+    monkeypatch.setattr(passkey_long, "passkey_accuracy_shared", answers)
+    out = tmp_path / "answers.jsonl"
+    args = ["--caches", "dynamic,int8", "--lengths", "360", "--seed", "0,2", "--out", str(out)]
+    assert passkey_long.main(args) == 0
+    assert calls == [0, 2]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["cache"], r["seed"]) for r in lines[:2]] == [("dynamic", 0), ("dynamic", 0)]
+    assert {r["seed"] for r in lines} == {0, 2} and len(lines) == 8
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("| int8"))
+    # int8 missed trial 1 of seed 0 only: 3 of 4, one prompt lost against dynamic, none gained
+    assert [c.strip() for c in row.strip("|").split("|")] == ["int8", "3/4", "+0.50", "-1 / +0"]
+
+
+def test_summary_counts_lost_and_gained_prompt_by_prompt():
+    answers = {
+        "dynamic": [_answer(0, True, 1.0), _answer(1, False, -0.2), _answer(2, True, 0.1)],
+        "x": [_answer(0, True, 1.0), _answer(1, True, 0.3), _answer(2, False, -0.4)],
+    }
+    head, rows = passkey_long.summary_table(answers, [360])
+    assert head[-1] == "vs dynamic @360 (lost / gained)"
+    # same accuracy (2/3), different prompts: one lost, one gained
+    assert rows[1] == ["x", "2/3", "+0.30", "-1 / +1"]
+    head, rows = passkey_long.summary_table({"x": answers["x"]}, [360])
+    assert len(head) == 3 and rows == [["x", "2/3", "+0.30"]]
+
+
+def test_bad_seed_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(passkey_long, "load_eval_model", lambda cfg: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit) as exc:
+        passkey_long.main(["--caches", "int8", "--seed", "0,x", "--out", str(tmp_path / "a.jsonl")])
+    assert exc.value.code == 2
+    assert "--seed" in capsys.readouterr().err
