@@ -13,6 +13,24 @@ import triton.language as tl
 
 
 @triton.jit
+def unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Stored codes of tokens ``o_t`` as ``[BT, D]`` in channel order, in the store's dtype: planar
+    int4 / int2 bytes loaded row by row (contiguous) and unpacked in registers; 8 bits and wider as
+    they are. Masked tokens read 0."""
+    PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
+    W: tl.constexpr = D // PB
+    o_w = tl.arange(0, W)
+    b_c = tl.load(p_c + o_t[:, None] * stride_t + o_w[None, :] * stride_w, mask=m_t[:, None], other=0)  # [BT, W]
+    if PB == 2:  # byte j: channel j (low nibble), channel j + W (high nibble)
+        b_c = tl.join(b_c & 0xF, b_c >> 4)  # [BT, W, 2]
+        b_c = tl.reshape(tl.permute(b_c, (0, 2, 1)), (BT, D))  # [BT, D]
+    elif PB == 4:  # byte j: channels j, j + W, j + 2W, j + 3W from the low bit pair up
+        b_c = tl.join(tl.join(b_c & 3, (b_c >> 2) & 3), tl.join((b_c >> 4) & 3, b_c >> 6))  # [BT, W, 2, 2]
+        b_c = tl.reshape(tl.permute(b_c, (0, 3, 2, 1)), (BT, D))  # [BT, D]: plane 2 * i3 + i2
+    return b_c
+
+
+@triton.jit
 def load_codes(
     p_c,
     o_t,
@@ -30,18 +48,7 @@ def load_codes(
     patterns (exact, no fp8 hardware or fp8 casts needed): e5m2 is the high byte of an fp16; e4m3's
     exponent / mantissa shifted into fp16 position is the value times 2**-8.
     """
-    PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
-    W: tl.constexpr = D // PB
-    o_w = tl.arange(0, W)
-    b_c = tl.load(
-        p_c + o_t[:, None] * stride_t + o_w[None, :] * stride_w, mask=m_t[:, None], other=0.0
-    )  # [BT, W]
-    if PB == 2:  # byte j: channel j (low nibble), channel j + W (high nibble)
-        b_c = tl.join(b_c & 0xF, b_c >> 4)  # [BT, W, 2]
-        b_c = tl.reshape(tl.permute(b_c, (0, 2, 1)), (BT, D))  # [BT, D]
-    elif PB == 4:  # byte j: channels j, j + W, j + 2W, j + 3W from the low bit pair up
-        b_c = tl.join(tl.join(b_c & 3, (b_c >> 2) & 3), tl.join((b_c >> 4) & 3, b_c >> 6))  # [BT, W, 2, 2]
-        b_c = tl.reshape(tl.permute(b_c, (0, 3, 2, 1)), (BT, D))  # [BT, D]: plane 2 * i3 + i2
+    b_c = unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS)
     if FP8 == 1:
         b_c = b_c.to(tl.uint16)
         b_c = ((b_c & 0x80) << 8) | ((b_c & 0x7F) << 7)
@@ -92,12 +99,16 @@ def load_levels(
     """Values before scaling of tokens ``o_t`` as fp32 ``[BT, D]`` (:class:`kvquant.formats.TritonRead`).
 
     ``LUT`` 0: the code itself (:func:`load_codes`; 3-bit planes gathered); 1: ``table[code]``
-    (codebooks); 2: ``table[state]``, the state of channel ``d`` being ``c_d | c_(d-1) << BITS | ...``
+    (codebooks; 2 / 4-bit codes loaded row by row and unpacked like the integers, 3-bit planes
+    gathered); 2: ``table[state]``, the state of channel ``d`` being ``c_d | c_(d-1) << BITS | ...``
     over ``M`` codes read circularly over the head (trellis): the neighbours' codes are gathered from
     their own bytes, so no register shuffle is needed. Masked tokens read code 0 (a valid entry).
     """
     if LUT == 0 and BITS != 3:
         b_v = load_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, FP8)
+    elif LUT == 1 and BITS != 3:
+        b_c = unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS).to(tl.int32)  # [BT, D]
+        b_v = tl.load(p_lut + b_c)  # [BT, D] fp32 table values
     else:
         o_d = tl.arange(0, D)
         b_c = gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_d, D, BITS)  # [BT, D]
@@ -308,7 +319,11 @@ def decode_attention_split_kernel(
                 b_kz = load_scale(p_kz + r * stride_kzr + o_d * stride_kzg, o_d < D, K_SFP8)  # [D]
                 b_s += tl.sum(b_q * b_kz[None, :], axis=1)[:, None]
         else:  # dequantize the tile
-            if K_SCALE:
+            if K_SCALE and not K_CHANNEL and K_G == D:  # one scale per token: [BT] loads, broadcast
+                b_k = b_k * load_scale(p_ks + o_t * stride_ksr, m_t, K_SFP8)[:, None]
+                if K_ZERO:
+                    b_k += load_scale(p_kz + o_t * stride_kzr, m_t, K_SFP8)[:, None]
+            elif K_SCALE:
                 if K_CHANNEL:
                     o_r = (o_t // K_G)[:, None] * stride_ksr + o_d[None, :] * stride_ksg
                     o_rz = (o_t // K_G)[:, None] * stride_kzr + o_d[None, :] * stride_kzg
@@ -348,7 +363,11 @@ def decode_attention_split_kernel(
                 b_vz = load_scale(p_vz + o_t * stride_vzr, m_t, V_SFP8)  # [BT]
                 b_o += tl.sum(b_p * b_vz[None, :], axis=1)[:, None]
         else:
-            if V_SCALE:
+            if V_SCALE and V_G == D:  # one scale per token: [BT] loads, broadcast
+                b_v = b_v * load_scale(p_vs + o_t * stride_vsr, m_t, V_SFP8)[:, None]
+                if V_ZERO:
+                    b_v += load_scale(p_vz + o_t * stride_vzr, m_t, V_SFP8)[:, None]
+            elif V_SCALE:
                 o_r = o_t[:, None] * stride_vsr + (o_d // V_G)[None, :] * stride_vsg
                 b_v = b_v * load_scale(p_vs + o_r, m_t[:, None], V_SFP8)
                 if V_ZERO:
