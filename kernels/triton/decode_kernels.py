@@ -20,7 +20,9 @@ def unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.cons
     PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
     W: tl.constexpr = D // PB
     o_w = tl.arange(0, W)
-    b_c = tl.load(p_c + o_t[:, None] * stride_t + o_w[None, :] * stride_w, mask=m_t[:, None], other=0)  # [BT, W]
+    b_c = tl.load(
+        p_c + o_t[:, None] * stride_t + o_w[None, :] * stride_w, mask=m_t[:, None], other=0
+    )  # [BT, W]
     if PB == 2:  # byte j: channel j (low nibble), channel j + W (high nibble)
         b_c = tl.join(b_c & 0xF, b_c >> 4)  # [BT, W, 2]
         b_c = tl.reshape(tl.permute(b_c, (0, 2, 1)), (BT, D))  # [BT, D]
