@@ -13,16 +13,10 @@ import triton.language as tl
 
 
 @triton.jit
-def unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Stored codes of tokens ``o_t`` as ``[BT, D]`` in channel order, in the store's dtype: planar
-    int4 / int2 bytes loaded row by row (contiguous) and unpacked in registers; 8 bits and wider as
-    they are. Masked tokens read 0."""
+def unpack_bytes(b_c, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Planar code bytes ``b_c [BT, W]`` as codes ``[BT, D]`` in channel order: byte ``j`` holds
+    channels ``j, j + W, ...`` from the low field up (``W = D * BITS / 8``); 8 bits and wider as they are."""
     PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
-    W: tl.constexpr = D // PB
-    o_w = tl.arange(0, W)
-    b_c = tl.load(
-        p_c + o_t[:, None] * stride_t + o_w[None, :] * stride_w, mask=m_t[:, None], other=0
-    )  # [BT, W]
     if PB == 2:  # byte j: channel j (low nibble), channel j + W (high nibble)
         b_c = tl.join(b_c & 0xF, b_c >> 4)  # [BT, W, 2]
         b_c = tl.reshape(tl.permute(b_c, (0, 2, 1)), (BT, D))  # [BT, D]
@@ -30,6 +24,41 @@ def unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.cons
         b_c = tl.join(tl.join(b_c & 3, (b_c >> 2) & 3), tl.join((b_c >> 4) & 3, b_c >> 6))  # [BT, W, 2, 2]
         b_c = tl.reshape(tl.permute(b_c, (0, 3, 2, 1)), (BT, D))  # [BT, D]: plane 2 * i3 + i2
     return b_c
+
+
+@triton.jit
+def unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Stored codes of tokens ``o_t`` as ``[BT, D]`` in channel order, in the store's dtype: each row's
+    bytes loaded contiguously and unpacked in registers (:func:`unpack_bytes`). Masked tokens read 0."""
+    PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
+    o_w = tl.arange(0, D // PB)
+    b_c = tl.load(
+        p_c + o_t[:, None] * stride_t + o_w[None, :] * stride_w, mask=m_t[:, None], other=0
+    )  # [BT, W]
+    return unpack_bytes(b_c, BT, D, BITS)
+
+
+@triton.jit
+def trellis_states(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                   M: tl.constexpr):  # fmt: skip
+    """Trellis states ``c_d | c_(d-1) << BITS | ...`` (``M`` codes, circular over the head) of 2 / 4-bit
+    planar codes as int32 ``[BT, D]``, from ``M`` contiguous loads of each row's bytes.
+
+    Channel ``d - j`` sits in the byte ``j`` places before ``d``'s, in the same field, except where
+    that wraps past the row's first byte (``d % W < j``): there it is the field below, so those bytes
+    are rotated up by one field before the unpack (field 0 takes the top field: channel ``d - j + D``).
+    """
+    PB: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // PB
+    o_w = tl.arange(0, W)
+    b_s = unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS).to(tl.int32)  # [BT, D]
+    for j in tl.static_range(1, M):
+        o_src = (o_w + (W - j)) % W
+        b = tl.load(p_c + o_t[:, None] * stride_t + o_src[None, :] * stride_w, mask=m_t[:, None], other=0)
+        b = b.to(tl.int32)  # [BT, W]
+        b = tl.where((o_w < j)[None, :], ((b << BITS) | (b >> (8 - BITS))) & 0xFF, b)
+        b_s = b_s | (unpack_bytes(b, BT, D, BITS) << (j * BITS))
+    return b_s
 
 
 @triton.jit
@@ -103,14 +132,18 @@ def load_levels(
     ``LUT`` 0: the code itself (:func:`load_codes`; 3-bit planes gathered); 1: ``table[code]``
     (codebooks; 2 / 4-bit codes loaded row by row and unpacked like the integers, 3-bit planes
     gathered); 2: ``table[state]``, the state of channel ``d`` being ``c_d | c_(d-1) << BITS | ...``
-    over ``M`` codes read circularly over the head (trellis): the neighbours' codes are gathered from
-    their own bytes, so no register shuffle is needed. Masked tokens read code 0 (a valid entry).
+    over ``M`` codes read circularly over the head (trellis; 2 / 4-bit codes: :func:`trellis_states`,
+    ``M`` contiguous loads per row; 1 / 3-bit codes: the neighbours' codes gathered from their own
+    bytes). Masked tokens read code 0 (a valid entry).
     """
     if LUT == 0 and BITS != 3:
         b_v = load_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, FP8)
     elif LUT == 1 and BITS != 3:
         b_c = unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS).to(tl.int32)  # [BT, D]
         b_v = tl.load(p_lut + b_c)  # [BT, D] fp32 table values
+    elif LUT == 2 and (BITS == 2 or BITS == 4) and D // (8 // BITS) >= M:
+        b_s = trellis_states(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, M)  # [BT, D]
+        b_v = tl.load(p_lut + b_s)  # [BT, D] fp32 table values
     else:
         o_d = tl.arange(0, D)
         b_c = gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_d, D, BITS)  # [BT, D]
