@@ -7,9 +7,10 @@
    an optional token mask), each into its own share of one buffer of partials: program ``(b, h, s)`` serves all ``G_q``
    query heads of KV head ``h`` (each K/V tile is loaded once for the whole GQA group) over the
    ``s``-th share of the row's tiles ``[start[b], end)``. Per tile of ``BT`` tokens it unpacks codes
-   (int4 / int2 planes with one shift + mask each, joined back into channel order; int3's two
-   planes, codebook indices and trellis states gathered channel by channel, then looked up in the
-   format's fp32 table, see ``load_levels``), computes the
+   (each row's bytes loaded contiguously, the planes split with one shift + mask each and joined
+   back into channel order; int3's two planes alike; a trellis state's neighbour codes from the
+   same row loaded shifted by a byte; codebook and trellis values then looked up in the format's
+   fp32 table, see ``load_levels``), computes the
    scores, runs an online softmax (base 2) and accumulates ``P @ V``; it writes the normalized
    partial output and its log-sum-exp.
 2. ``merge_splits_kernel``, grid ``(B * Hq,)``: merges all segments' partials by log-sum-exp (skipped

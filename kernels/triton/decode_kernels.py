@@ -14,15 +14,21 @@ import triton.language as tl
 
 @triton.jit
 def unpack_bytes(b_c, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Planar code bytes ``b_c [BT, W]`` as codes ``[BT, D]`` in channel order: byte ``j`` holds
-    channels ``j, j + W, ...`` from the low field up (``W = D * BITS / 8``); 8 bits and wider as they are."""
+    """Planar code bytes ``b_c [BT, W]`` as codes ``[BT, D]`` in channel order: byte ``w`` holds
+    channels ``w, w + W, ...`` from the low field up (``W = D * BITS / 8``; 1, 2, 4 bits); 8 bits and
+    wider as they are."""
     PB: tl.constexpr = 8 // BITS if BITS < 8 else 1
-    if PB == 2:  # byte j: channel j (low nibble), channel j + W (high nibble)
+    if PB == 2:  # byte w: channel w (low nibble), channel w + W (high nibble)
         b_c = tl.join(b_c & 0xF, b_c >> 4)  # [BT, W, 2]
         b_c = tl.reshape(tl.permute(b_c, (0, 2, 1)), (BT, D))  # [BT, D]
-    elif PB == 4:  # byte j: channels j, j + W, j + 2W, j + 3W from the low bit pair up
+    elif PB == 4:  # byte w: channels w, w + W, w + 2W, w + 3W from the low bit pair up
         b_c = tl.join(tl.join(b_c & 3, (b_c >> 2) & 3), tl.join((b_c >> 4) & 3, b_c >> 6))  # [BT, W, 2, 2]
-        b_c = tl.reshape(tl.permute(b_c, (0, 3, 2, 1)), (BT, D))  # [BT, D]: plane 2 * i3 + i2
+        b_c = tl.reshape(tl.permute(b_c, (0, 3, 2, 1)), (BT, D))  # [BT, D]: field 2 * i3 + i2
+    elif PB == 8:  # byte w: channels w + i * W at bit i
+        b_lo = tl.join(tl.join(b_c & 1, (b_c >> 1) & 1), tl.join((b_c >> 2) & 1, (b_c >> 3) & 1))
+        b_hi = tl.join(tl.join((b_c >> 4) & 1, (b_c >> 5) & 1), tl.join((b_c >> 6) & 1, b_c >> 7))
+        b_c = tl.join(b_lo, b_hi)  # [BT, W, 2, 2, 2]: field 4 * i4 + 2 * i3 + i2
+        b_c = tl.reshape(tl.permute(b_c, (0, 4, 3, 2, 1)), (BT, D))  # [BT, D]
     return b_c
 
 
@@ -39,26 +45,55 @@ def unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def trellis_states(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                   M: tl.constexpr):  # fmt: skip
-    """Trellis states ``c_d | c_(d-1) << BITS | ...`` (``M`` codes, circular over the head) of 2 / 4-bit
-    planar codes as int32 ``[BT, D]``, from ``M`` contiguous loads of each row's bytes.
+def plane_codes(
+    p_c,
+    o_t,
+    m_t,
+    stride_t,
+    stride_w,
+    BT: tl.constexpr,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    OFF: tl.constexpr,
+    J: tl.constexpr,
+):
+    """int32 ``[BT, D]``: at channel ``d`` the code of channel ``(d - J) mod D`` in one planar plane of
+    ``BITS``-bit fields (1, 2, 4, 8) that starts at byte ``OFF`` of each row, from one contiguous load
+    of the row's ``W = D * BITS / 8`` bytes.
 
-    Channel ``d - j`` sits in the byte ``j`` places before ``d``'s, in the same field, except where
-    that wraps past the row's first byte (``d % W < j``): there it is the field below, so those bytes
-    are rotated up by one field before the unpack (field 0 takes the top field: channel ``d - j + D``).
+    Channel ``d = w + k W`` (byte ``w``, field ``k``) less ``J = q W + r`` is channel ``(w - r) + (k - q) W``:
+    the byte ``r`` places before (circularly over the plane's ``W`` bytes), its field ``q`` below, or
+    ``q + 1`` below where the byte index wrapped (``w < r``); fields wrap too (field ``-1`` is the top
+    field: channel ``d - J + D``). So each loaded byte is rotated up by that many fields, then unpacked.
     """
     PB: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // PB
+    Q: tl.constexpr = J // W
+    R: tl.constexpr = J % W
+    SA: tl.constexpr = (Q % PB) * BITS  # rotation (bits) of bytes that did not wrap
+    SB: tl.constexpr = ((Q + 1) % PB) * BITS  # ... and of those that did
     o_w = tl.arange(0, W)
-    b_s = unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS).to(tl.int32)  # [BT, D]
-    for j in tl.static_range(1, M):
-        o_src = (o_w + (W - j)) % W
-        b = tl.load(p_c + o_t[:, None] * stride_t + o_src[None, :] * stride_w, mask=m_t[:, None], other=0)
-        b = b.to(tl.int32)  # [BT, W]
-        b = tl.where((o_w < j)[None, :], ((b << BITS) | (b >> (8 - BITS))) & 0xFF, b)
-        b_s = b_s | (unpack_bytes(b, BT, D, BITS) << (j * BITS))
-    return b_s
+    o_src = (o_w + (W - R)) % W
+    b = tl.load(p_c + o_t[:, None] * stride_t + (OFF + o_src)[None, :] * stride_w, mask=m_t[:, None], other=0)
+    b = b.to(tl.int32)  # [BT, W]
+    if SA != 0 or SB != 0:
+        b_a = ((b << SA) | (b >> (8 - SA))) & 0xFF
+        b_b = ((b << SB) | (b >> (8 - SB))) & 0xFF
+        b = tl.where((o_w < R)[None, :], b_b, b_a)
+    return unpack_bytes(b, BT, D, BITS)
+
+
+@triton.jit
+def shifted_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                  J: tl.constexpr):  # fmt: skip
+    """Integer codes (int32 ``[BT, D]``) of channels ``(d - J) mod D`` of tokens ``o_t``: 3 bits as two
+    planes (the low bit pairs like 2-bit codes, then the high bits eight per byte), else one."""
+    if BITS == 3:
+        b_c = plane_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, 2, 0, J)
+        b_c = b_c | (plane_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, 1, D // 4, J) << 2)
+    else:
+        b_c = plane_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, 0, J)
+    return b_c
 
 
 @triton.jit
@@ -90,29 +125,6 @@ def load_codes(
 
 
 @triton.jit
-def gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_ch, D: tl.constexpr, BITS: tl.constexpr):
-    """Integer codes (int32 ``[BT, D]``) of channels ``o_ch[D]`` (any order) of tokens ``o_t``, each
-    read from its byte: planar 2 / 4 bits (byte ``ch % W``, field ``ch // W``), 3 bits as two planes
-    (the low bit pairs like 2-bit codes, then the high bits eight per byte), 8 bits as they are."""
-    o_t2 = o_t[:, None] * stride_t
-    if BITS == 3:
-        W2: tl.constexpr = D // 4
-        W1: tl.constexpr = D // 8
-        b_lo = tl.load(p_c + o_t2 + ((o_ch % W2) * stride_w)[None, :], mask=m_t[:, None], other=0)
-        b_hi = tl.load(p_c + o_t2 + ((W2 + o_ch % W1) * stride_w)[None, :], mask=m_t[:, None], other=0)
-        b_lo = (b_lo.to(tl.int32) >> ((o_ch // W2) * 2)[None, :]) & 3
-        b_hi = (b_hi.to(tl.int32) >> (o_ch // W1)[None, :]) & 1
-        b_c = b_lo | (b_hi << 2)
-    elif BITS < 8:
-        W: tl.constexpr = D * BITS // 8
-        b_c = tl.load(p_c + o_t2 + ((o_ch % W) * stride_w)[None, :], mask=m_t[:, None], other=0)
-        b_c = (b_c.to(tl.int32) >> ((o_ch // W) * BITS)[None, :]) & ((1 << BITS) - 1)
-    else:
-        b_c = tl.load(p_c + o_t2 + (o_ch * stride_w)[None, :], mask=m_t[:, None], other=0).to(tl.int32)
-    return b_c
-
-
-@triton.jit
 def load_levels(
     p_c,
     p_lut,
@@ -129,28 +141,19 @@ def load_levels(
 ):
     """Values before scaling of tokens ``o_t`` as fp32 ``[BT, D]`` (:class:`kvquant.formats.TritonRead`).
 
-    ``LUT`` 0: the code itself (:func:`load_codes`; 3-bit planes gathered); 1: ``table[code]``
-    (codebooks; 2 / 4-bit codes loaded row by row and unpacked like the integers, 3-bit planes
-    gathered); 2: ``table[state]``, the state of channel ``d`` being ``c_d | c_(d-1) << BITS | ...``
-    over ``M`` codes read circularly over the head (trellis; 2 / 4-bit codes: :func:`trellis_states`,
-    ``M`` contiguous loads per row; 1 / 3-bit codes: the neighbours' codes gathered from their own
-    bytes). Masked tokens read code 0 (a valid entry).
+    ``LUT`` 0: the code itself (:func:`load_codes`; 3-bit planes: :func:`shifted_codes`); 1:
+    ``table[code]`` (codebooks); 2: ``table[state]``, the state of channel ``d`` being
+    ``c_d | c_(d-1) << BITS | ...`` over ``M`` codes read circularly over the head (trellis): one
+    contiguous load of each row's bytes per code of the state (:func:`plane_codes`), unpacked in
+    registers. Masked tokens read code 0 (a valid entry).
     """
     if LUT == 0 and BITS != 3:
         b_v = load_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, FP8)
-    elif LUT == 1 and BITS != 3:
-        b_c = unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS).to(tl.int32)  # [BT, D]
-        b_v = tl.load(p_lut + b_c)  # [BT, D] fp32 table values
-    elif LUT == 2 and (BITS == 2 or BITS == 4) and D // (8 // BITS) >= M:
-        b_s = trellis_states(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, M)  # [BT, D]
-        b_v = tl.load(p_lut + b_s)  # [BT, D] fp32 table values
     else:
-        o_d = tl.arange(0, D)
-        b_c = gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_d, D, BITS)  # [BT, D]
+        b_c = shifted_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, 0)  # [BT, D]
         if LUT == 2:
             for j in tl.static_range(1, M):
-                o_prev = (o_d + (D - j)) % D  # channel d - j, circularly
-                b_c = b_c | (gather_codes(p_c, o_t, m_t, stride_t, stride_w, o_prev, D, BITS) << (j * BITS))
+                b_c = b_c | (shifted_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, j) << (j * BITS))
         if LUT == 0:
             b_v = b_c.to(tl.float32)
         else:

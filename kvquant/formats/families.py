@@ -95,7 +95,7 @@ class AsymmetricInt(FormatSpec):
         return (2, self.bits, float(self.qmax), 0, 0) if self.planar else None
 
     def triton_read(self):
-        return TritonRead(self.bits)  # 3 bits: two planes, gathered channel by channel
+        return TritonRead(self.bits)  # 3 bits: two planes, each loaded row by row and unpacked
 
     def triton_write(self):
         return 2, self.bits, float(self.qmax), 0, 0
