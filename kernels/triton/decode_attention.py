@@ -412,6 +412,16 @@ class _Launch:
         )
 
 
+def split_launch(q, tensors, *, k_fmt, v_fmt, k_group, v_group, k_axis, start, end, block_t=None, num_warps=8,
+                 num_stages=None) -> _Launch:  # fmt: skip
+    """The split kernel's launch for one store segment (constexprs in ``.consts``, arguments in
+    ``.args`` / ``.strides``), exactly as :func:`quantized_decode_attention` prepares it, without
+    launching: for offline builds (:mod:`kvquant.tools.kernel_resources`). ``tensors``: the six store
+    buffers ``(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)``."""
+    seg = _Segment(tuple(tensors), k_fmt, v_fmt, k_group, v_group, k_axis, start, end)
+    return seg.prepare(q, block_t=block_t, num_warps=num_warps, num_stages=num_stages)
+
+
 def _reference(q, segments, scaling, softcap, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
     """The segments by the torch references, merged by log-sum-exp (head sizes the kernel cannot take)."""
     parts = []

@@ -1,0 +1,200 @@
+"""``python -m kvquant.tools.kernel_resources``: what the Triton decode kernel costs, from its offline
+build, no GPU needed.
+
+For each format it prepares the launch the decode op makes (``decode_attention.split_launch``: the
+same constexprs, tile size, warps and pipeline stages), compiles it for an NVIDIA architecture with
+the ``ptxas`` Triton ships, and reads the cubin with ``cuobjdump``: registers per thread, stack bytes
+(where spilled registers go), shared memory (Triton's dynamic allocation plus the static part), and
+in the SASS the global loads, spill stores and instructions. These are static counts of one build,
+not timings: they show a change's effect on register pressure and loads when no GPU is at hand;
+time it with ``make gpu-check`` when one is.
+
+Example::
+
+    python -m kvquant.tools.kernel_resources --formats int4 nuq4 tcq3 --head-dim 128
+    python -m kvquant.tools.kernel_resources --json runs/resources.json    # every format the kernel reads
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_PTR = {
+    "uint8": "*u8",
+    "float8_e4m3fn": "*u8",
+    "float8_e5m2": "*u8",
+    "int8": "*i8",
+    "float16": "*fp16",
+    "bfloat16": "*bf16",
+    "float32": "*fp32",
+    "int64": "*i64",
+}
+
+
+def _tool(name: str) -> Path:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"this Triton build ships no {name} ({path})")
+    return path
+
+
+def _launch(fmt: str, d: int, gq: int, num_warps: int):
+    """The decode op's launch (constexprs and arguments) for ``fmt`` keys and values, head_dim ``d``."""
+    import torch
+
+    from kvquant.kernels.triton.decode_attention import split_launch
+    from kvquant.tools.kernel_stores import tiled_store
+
+    t = 64
+    x = torch.randn(1, 1, t, d, generator=torch.Generator().manual_seed(0)).half()  # [B, Hkv, T, D]
+    codes, scale, zero = tiled_store(x, fmt, d, "token")
+    q = torch.randn(1, gq, d).half()  # [B, Hq, D]
+    start = torch.zeros(1, dtype=torch.long)
+    launch = split_launch(q, (codes, scale, zero, codes, scale, zero), k_fmt=fmt, v_fmt=fmt, k_group=d, v_group=d,
+                          k_axis="token", start=start, end=t, num_warps=num_warps)  # fmt: skip
+    o_part = torch.empty(1, gq, 1, d)  # [B, Hq, splits, D]
+    l_part = torch.empty(1, gq, 1)
+    values = [q, *launch.args, o_part, l_part, t, 1, 1, 1.0, 1.0, *launch.val_strides, *q.stride(),
+              *launch.strides, *o_part.stride(), *l_part.stride()]  # fmt: skip
+    return launch.consts, values
+
+
+def build(fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90):
+    """The compiled split-decode kernel (a Triton ``CompiledKernel``) for ``fmt`` on ``sm_<arch>``."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvquant.kernels.triton.decode_kernels import decode_attention_split_kernel as fn
+
+    consts, values = _launch(fmt, d, gq, num_warps)
+    options = {"num_warps": consts.pop("num_warps")}
+    if "num_stages" in consts:
+        options["num_stages"] = consts.pop("num_stages")
+    consts["SOFTCAP"] = False
+    runtime = [n for n in fn.arg_names if n not in consts]
+    if len(runtime) != len(values):
+        raise RuntimeError(f"decode kernel: {len(runtime)} runtime arguments, the launch gives {len(values)}")
+    sig: dict[str, str] = {}
+    for name, v in zip(runtime, values, strict=True):
+        if isinstance(v, torch.Tensor):
+            sig[name] = _PTR[str(v.dtype).removeprefix("torch.")]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64" if name.startswith("stride") else "i32"
+    sig.update({n: "constexpr" for n in consts})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), consts
+
+
+def resources(fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90) -> dict[str, Any]:
+    """One row: the build's registers, local / shared bytes and SASS counts for ``fmt``."""
+    kernel, consts = build(fmt, d, gq, num_warps, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout  # fmt: skip
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
+
+    def field(key: str) -> int:
+        m = re.search(rf"\b{key}:(\d+)", usage)
+        return int(m.group(1)) if m else 0
+
+    def count(op: str) -> int:
+        return len(re.findall(rf"\b{op}\b", sass))
+
+    return {
+        "format": fmt,
+        "head_dim": d,
+        "block_t": consts["BT"],
+        "registers": field("REG"),
+        "stack_bytes": field("STACK") + field("LOCAL"),  # spilled registers live here
+        "shared_bytes": int(kernel.metadata.shared) + field("SHARED"),  # dynamic (Triton's) + static
+        "global_loads": len(re.findall(r"\bLDG\.", sass)),
+        "spill_stores": len(re.findall(r"\bSTL\b", sass)) + len(re.findall(r"\bSTL\.", sass)),
+        "instructions": len(re.findall(r"(?m)^\s+/\*[0-9a-f]{4}\*/", sass)),
+        "mma": count("HMMA") + len(re.findall(r"\bHMMA\.", sass)),
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    from kvquant.eval.report import table
+
+    head = [
+        "format",
+        "head_dim",
+        "tile",
+        "registers",
+        "stack bytes",
+        "shared bytes",
+        "LDG",
+        "STL (spills)",
+        "SASS",
+    ]
+    keys = ["format", "head_dim", "block_t", "registers", "stack_bytes", "shared_bytes", "global_loads",
+            "spill_stores", "instructions"]  # fmt: skip
+    return table(head, [[str(r[k]) for k in keys] for r in rows], left=1)
+
+
+def quantized_formats() -> list[str]:
+    """Every format with scales that the Triton decode kernel reads."""
+    from kvquant.formats import FORMAT_NAMES, format_spec
+
+    return [f for f in FORMAT_NAMES if format_spec(f).has_scale and format_spec(f).triton_read() is not None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    allowed = quantized_formats()
+    p = argparse.ArgumentParser(
+        prog="python -m kvquant.tools.kernel_resources", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--formats", nargs="+", default=allowed, help="formats read as keys and values (default: all)"
+    )
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--gq", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--num-warps", type=int, default=8)
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper), 80 (Ampere)")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    bad = [f for f in args.formats if f not in allowed]
+    if bad:
+        p.error(f"--formats: not read by the Triton kernel: {', '.join(bad)}; allowed: {', '.join(allowed)}")
+    if args.head_dim < 16 or args.head_dim & (args.head_dim - 1):
+        p.error(f"--head-dim: a power of two >= 16 (the Triton kernel's), got {args.head_dim}")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the kernels must be decorated for a real build
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run(
+            [sys.executable, "-m", "kvquant.tools.kernel_resources", *argv], env=env
+        ).returncode
+    try:
+        _tool("cuobjdump")
+    except FileNotFoundError as e:
+        print(f"kvquant.tools.kernel_resources: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    rows = [resources(f, args.head_dim, args.gq, args.num_warps, args.arch) for f in args.formats]
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
