@@ -25,7 +25,7 @@ import time
 from kvquant.eval.caches import resolve_spec
 from kvquant.eval.config import EvalConfig, RetrievalSection
 from kvquant.eval.report import table
-from kvquant.eval.retrieval import passkey_accuracy_shared
+from kvquant.eval.retrieval import lost_and_gained, passkey_accuracy_shared
 from kvquant.eval.runner import load_eval_model, model_max_context, resolve_lengths
 
 
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 def summary_table(answers: dict[str, list[dict]], lengths: list[int]) -> tuple[list[str], list[list[str]]]:
     """``(head, rows)``: per cache and length the prompts answered (``k/n``), the mean first-token
     margin, and, where a cache is named ``dynamic``, the prompts lost / gained against it
-    (answers are matched by seed, length and trial)."""
-    ref = {_prompt(a): a["correct"] for a in answers.get("dynamic", [])}
+    (:func:`~kvquant.eval.retrieval.lost_and_gained`)."""
+    ref = answers.get("dynamic")
     head = ["cache", *[f"passkey @{n}" for n in lengths], *[f"margin @{n}" for n in lengths]]
     if ref:
         head += [f"vs dynamic @{n} (lost / gained)" for n in lengths]
@@ -103,17 +103,6 @@ def summary_table(answers: dict[str, list[dict]], lengths: list[int]) -> tuple[l
         row = [name, *[f"{sum(a['correct'] for a in at[n])}/{len(at[n])}" for n in lengths]]
         row += [f"{sum(a['margin'] for a in at[n]) / max(len(at[n]), 1):+.2f}" for n in lengths]
         if ref:
-            for n in lengths:
-                lost = sum(ref.get(_prompt(a), False) and not a["correct"] for a in at[n])
-                gained = sum(a["correct"] and not ref.get(_prompt(a), True) for a in at[n])
-                row.append(f"-{lost} / +{gained}")
+            row += ["-{} / +{}".format(*lost_and_gained(at[n], ref)) for n in lengths]
         rows.append(row)
     return head, rows
-
-
-def _prompt(answer: dict) -> tuple:
-    return answer.get("seed", 0), answer["length"], answer["trial"]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kvquant.eval.retrieval import lost_and_gained
+
 PACKAGES = tuple(
     "kvquant torch transformers datasets accelerate optimum-quanto hqq triton numpy tqdm psutil evaluate".split()
 )
@@ -98,8 +100,11 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     head += ["B/token", "× fp16", "bits held", "bits @16-bit", "bits theory", "peak MB"]
     if speed_ctx is not None:
         head += [f"prefill ms @{speed_ctx}", f"tok/s @{speed_ctx}", "decode × dyn"]
+    ref = next(((r.get("retrieval") or {}).get("answers") for r in records if r["cache"] == "dynamic"), None)
     if lengths:
         head += ["passkey " + "/".join(lengths), "margin " + "/".join(lengths)]
+        if ref:
+            head += ["passkey lost / gained vs dynamic"]
     free = next((r["free_run"] for r in records if r.get("free_run")), None)
     if free is not None:
         head += [f"free-run ppl ({free['tokens']} tok)", "× dyn", "diverges @", "same tokens"]
@@ -134,6 +139,9 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             margin = (r.get("retrieval") or {}).get("margin") or {}
             cells.append("/".join(cell(acc.get(n), ".2f") for n in lengths))
             cells.append("/".join(cell(margin.get(n), "+.2f") for n in lengths))
+            if ref:
+                got = (r.get("retrieval") or {}).get("answers")
+                cells.append("-{} / +{}".format(*lost_and_gained(got, ref)) if got else "–")
         if free is not None:
             f = r.get("free_run") or {}
             cells += [cell(f.get("ppl"), ".3f"), cell(f.get("ppl_ratio"), ".3f")]

@@ -151,6 +151,27 @@ def passkey_accuracy(
     return _summary(answers, lengths)
 
 
+def lost_and_gained(answers: list[dict[str, Any]], reference: list[dict[str, Any]]) -> tuple[int, int]:
+    """Prompts the reference answered and ``answers`` missed (lost), and the reverse (gained): the
+    same accuracy can hide a lost prompt and a gained one. Answers are matched by seed (0 where
+    absent), length and trial; prompts the reference lacks count neither way.
+
+    Example:
+        >>> ref = [{"length": 4096, "trial": 0, "correct": True}, {"length": 4096, "trial": 1, "correct": False}]
+        >>> got = [{"length": 4096, "trial": 0, "correct": False}, {"length": 4096, "trial": 1, "correct": True}]
+        >>> lost_and_gained(got, ref)
+        (1, 1)
+    """
+    ref = {_prompt_key(a): a["correct"] for a in reference}
+    lost = sum(ref.get(_prompt_key(a)) is True and not a["correct"] for a in answers)
+    gained = sum(ref.get(_prompt_key(a)) is False and a["correct"] for a in answers)
+    return lost, gained
+
+
+def _prompt_key(answer: dict[str, Any]) -> tuple[int, int, int]:
+    return answer.get("seed", 0), answer["length"], answer["trial"]
+
+
 def _accuracy(answers: list[dict[str, Any]], lengths: list[int]) -> dict[str, float]:
     accuracy = {}
     for length in lengths:

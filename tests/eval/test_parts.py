@@ -15,7 +15,8 @@ from kvquant.eval import EvalConfig, EvalError, cache_nbytes, load_config, resol
 from kvquant.eval.caches import available_peers
 from kvquant.eval.config import CorpusSection, parse_set
 from kvquant.eval.corpus import ByteTokenizer, load_corpus, make_windows
-from kvquant.eval.retrieval import passkey_cases, passkey_prompt
+from kvquant.eval.report import markdown_table
+from kvquant.eval.retrieval import lost_and_gained, passkey_cases, passkey_prompt
 from kvquant.eval.speed import prompt_tokens, with_ratios
 
 # ------------------------------------------------------------------------------------------ config
@@ -225,6 +226,36 @@ def test_shared_prefill_passkey_gives_each_cache_its_own_answers(tiny, byte_tok)
         tiny(input_ids=ids, cache=alone, use_cache=True)
     for a, b in zip(fanned.layers, alone.layers, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a.read_history(), b.read_history(), strict=True))
+
+
+def _answers(*correct, seed=0, length=360):
+    return [
+        {"seed": seed, "length": length, "trial": t, "correct": c, "margin": 0.0}
+        for t, c in enumerate(correct)
+    ]
+
+
+def test_lost_and_gained_match_prompt_by_prompt():
+    ref = _answers(True, False, True) + _answers(True, seed=2)
+    # same count (3 of 4) as the reference, but one lost (trial 2) and one gained (trial 1)
+    assert lost_and_gained(_answers(True, True, False) + _answers(True, seed=2), ref) == (1, 1)
+    # another seed's trial 0 is another prompt; a prompt the reference lacks counts neither way
+    assert lost_and_gained(_answers(False, seed=2) + _answers(False, seed=3), ref) == (1, 0)
+    assert lost_and_gained(ref, ref) == (0, 0)
+
+
+def test_eval_table_counts_passkeys_lost_against_dynamic():
+    def record(name, *correct):
+        answers = _answers(*correct)
+        acc = {"360": sum(correct) / len(correct)}
+        return {"cache": name, "retrieval": {"accuracy": acc, "margin": {"360": 0.0}, "answers": answers}}
+
+    md = markdown_table([record("dynamic", True, True, False), record("nuq2", False, True, True)])
+    assert "passkey lost / gained vs dynamic" in md.splitlines()[0]
+    row = next(line for line in md.splitlines() if line.startswith("| nuq2"))
+    assert row.rstrip(" |").endswith("-1 / +1")
+    # without a dynamic record there is nothing to compare against: no column
+    assert "lost / gained" not in markdown_table([record("nuq2", True)])
 
 
 def test_free_run_counts_in_the_run_identity_only_when_enabled():
