@@ -30,9 +30,11 @@ decoded in the kernel (``load_scale``).
 
 Precision: every code value (int8, int4, int3, int2, fp8) is exact in fp16, so the folded dots multiply
 exact fp16 codes by an fp32 operand carried as two fp16 halves (``hi + lo``, 22 significant bits,
-row-scaled by a power of two so nothing overflows); fp16 queries are used as they are. Dequantized
-tiles (mode 2) use fp32 dots (``tf32x3`` on GPU); codebook and trellis values (fp32 table entries,
-``TritonRead.exact_f16`` False) always take mode 2. The result matches the fp32 reference
+row-scaled by a power of two so nothing overflows); fp16 queries are used as they are. Codebook and
+trellis values (fp32 table entries, ``TritonRead.exact_f16`` False) are split into two fp16 halves
+as well, and the dots take the three products above 2**-22 (``hi hi``, ``lo hi``, ``hi lo``; fp16
+queries: two), so a per-token scale folds out for them too. Dequantized tiles (mode 2) use fp32 dots
+(``tf32x3`` on GPU). The result matches the fp32 reference
 (:func:`kvquant.kernels.reference.quantized_decode_attention_ref`) to fp32 rounding.
 """
 
@@ -86,7 +88,7 @@ def _operand(codes, scale, zero, fmt, group, axis, d):
     if axis == "token" and is_static_scale(scale, axis):  # [1, H, 1, 1] -> stride-0 view [B, H, cap, 1]
         if zero is not None:
             raise ValueError("zero: a static per-head scale takes no zero points")
-        return read, 0 if read.exact_f16 else 2, scale.expand(b, h, cap, 1), None, True, False
+        return read, 0 if read.exact_f16 or read.lut else 2, scale.expand(b, h, cap, 1), None, True, False
     cols = d if axis == "channel" else d // group
     rows = -(-cap // group) if axis == "channel" else cap
     for name, t in (("scale", scale), ("zero", zero if spec.has_zero else None)):
@@ -97,7 +99,7 @@ def _operand(codes, scale, zero, fmt, group, axis, d):
     if axis == "channel":
         mode = 1 if read.exact_f16 else 2
     else:
-        mode = 0 if group == d and read.exact_f16 else 2  # table values are not exact in fp16: fp32 dots
+        mode = 0 if group == d and (read.exact_f16 or read.lut) else 2  # table values: two fp16 halves
     return read, mode, scale, zero if spec.has_zero else None, True, spec.has_zero
 
 
@@ -106,8 +108,9 @@ def _block_t(
 ) -> tuple[int, int]:
     """Tokens per tile (a power of two >= 16) and the key mode (channel fold needs BT | G).
 
-    Sized so that sm_90 builds (8 warps) do not spill: 64 tokens for head_dim <= 128 with folded
-    scales, 32 for head_dim 256 or when a tile is dequantized to fp32 (mode 2, tf32x3 dots).
+    Sized so that sm_90 builds (8 warps) do not spill (``python -m kvquant.tools.kernel_resources``):
+    64 tokens for head_dim <= 128 with folded scales, 32 for head_dim 256 or when a tile is
+    dequantized to fp32 (mode 2, tf32x3 dots).
     ``block_t`` overrides it.
     """
     bt = block_t or (64 if d <= 128 and 2 not in (k_mode, v_mode) else 32)

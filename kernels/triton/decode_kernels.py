@@ -337,12 +337,20 @@ def decode_attention_split_kernel(
         # ---- scores [GQP, BT]
         b_k = load_levels(p_kc, p_klut, o_t, m_t, stride_kct, stride_kcw, BT, D, K_BITS, K_FP8, K_LUT, K_M)
         if K_MODE == 0:
-            b_kt = tl.trans(b_k).to(tl.float16)  # [D, BT], exact
+            b_kt = tl.trans(b_k).to(tl.float16)  # [D, BT], exact (table values: their high half)
             if Q_SPLIT:
                 b_s = tl.dot(b_qhi, b_kt)
-                b_s = tl.dot(b_qlo, b_kt, b_s) * b_qp2[:, None]
+                b_s = tl.dot(b_qlo, b_kt, b_s)
             else:
                 b_s = tl.dot(b_q16, b_kt)
+            if K_LUT > 0:  # the low half: hi + lo holds a table value to 22 bits
+                b_ktl = (tl.trans(b_k) - b_kt.to(tl.float32)).to(tl.float16)  # [D, BT]
+                if Q_SPLIT:
+                    b_s = tl.dot(b_qhi, b_ktl, b_s)
+                else:
+                    b_s = tl.dot(b_q16, b_ktl, b_s)
+            if Q_SPLIT:
+                b_s = b_s * b_qp2[:, None]
             if K_SCALE:
                 b_ks = load_scale(p_ks + o_t * stride_ksr, m_t, K_SFP8)  # [BT]
                 b_s = b_s * b_ks[None, :]
@@ -396,7 +404,14 @@ def decode_attention_split_kernel(
             if V_SCALE:
                 b_vs = load_scale(p_vs + o_t * stride_vsr, m_t, V_SFP8)  # [BT]
                 b_pv = b_p * b_vs[None, :]
-            b_o = dot_split(b_pv, b_v.to(tl.float16))
+            b_vh = b_v.to(tl.float16)  # exact (table values: their high half)
+            if V_LUT > 0:  # p (hi + lo) @ (v_hi + v_lo), the lo @ lo term (2**-22 relative) left out
+                b_phi, b_plo, b_pp2 = split_f16(b_pv)
+                b_o = tl.dot(b_phi, b_vh)
+                b_o = tl.dot(b_plo, b_vh, b_o)
+                b_o = tl.dot(b_phi, (b_v - b_vh.to(tl.float32)).to(tl.float16), b_o) * b_pp2[:, None]
+            else:
+                b_o = dot_split(b_pv, b_vh)
             if V_ZERO:
                 b_vz = load_scale(p_vz + o_t * stride_vzr, m_t, V_SFP8)  # [BT]
                 b_o += tl.sum(b_p * b_vz[None, :], axis=1)[:, None]

@@ -37,8 +37,8 @@ class TritonRead:
     ``bits``: bits per stored code (16: pass-through, the raw tensor); ``fp8``: 0, 1 e4m3fn, 2 e5m2
     (decoded from the byte); ``lut``: 0 the code is the value, 1 the value is ``table[code]``, 2 it
     is ``table[state]`` with the state formed from ``state_codes`` codes (the channel's and those of
-    the channels before it, circularly); ``exact_f16``: every value is exact in fp16 (the kernel may
-    fold scales out of fp16 dot products); ``table``: fp32 ``[n]`` levels where ``lut`` > 0.
+    the channels before it, circularly); ``exact_f16``: every value is exact in fp16 (the kernel
+    folds scales out of fp16 dot products; table values, not exact, enter them as two fp16 halves); ``table``: fp32 ``[n]`` levels where ``lut`` > 0.
 
     Example:
         >>> from kvquant.formats import format_spec

@@ -48,7 +48,7 @@ def _tool(name: str) -> Path:
     return path
 
 
-def _launch(fmt: str, d: int, gq: int, num_warps: int):
+def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = None):
     """The decode op's launch (constexprs and arguments) for ``fmt`` keys and values, head_dim ``d``."""
     import torch
 
@@ -61,7 +61,7 @@ def _launch(fmt: str, d: int, gq: int, num_warps: int):
     q = torch.randn(1, gq, d).half()  # [B, Hq, D]
     start = torch.zeros(1, dtype=torch.long)
     launch = split_launch(q, (codes, scale, zero, codes, scale, zero), k_fmt=fmt, v_fmt=fmt, k_group=d, v_group=d,
-                          k_axis="token", start=start, end=t, num_warps=num_warps)  # fmt: skip
+                          k_axis="token", start=start, end=t, num_warps=num_warps, block_t=block_t)  # fmt: skip
     o_part = torch.empty(1, gq, 1, d)  # [B, Hq, splits, D]
     l_part = torch.empty(1, gq, 1)
     values = [q, *launch.args, o_part, l_part, t, 1, 1, 1.0, 1.0, *launch.val_strides, *q.stride(),
@@ -69,7 +69,9 @@ def _launch(fmt: str, d: int, gq: int, num_warps: int):
     return launch.consts, values
 
 
-def build(fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90):
+def build(
+    fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90, block_t: int | None = None
+):
     """The compiled split-decode kernel (a Triton ``CompiledKernel``) for ``fmt`` on ``sm_<arch>``."""
     import torch
     import triton
@@ -78,7 +80,7 @@ def build(fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 9
 
     from kvquant.kernels.triton.decode_kernels import decode_attention_split_kernel as fn
 
-    consts, values = _launch(fmt, d, gq, num_warps)
+    consts, values = _launch(fmt, d, gq, num_warps, block_t)
     options = {"num_warps": consts.pop("num_warps")}
     if "num_stages" in consts:
         options["num_stages"] = consts.pop("num_stages")
@@ -99,9 +101,12 @@ def build(fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 9
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), consts
 
 
-def resources(fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90) -> dict[str, Any]:
-    """One row: the build's registers, local / shared bytes and SASS counts for ``fmt``."""
-    kernel, consts = build(fmt, d, gq, num_warps, arch)
+def resources(
+    fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90, block_t: int | None = None
+) -> dict[str, Any]:
+    """One row: the build's registers, stack / shared bytes and SASS counts for ``fmt`` (``block_t``:
+    tokens per tile, None: the launcher's choice)."""
+    kernel, consts = build(fmt, d, gq, num_warps, arch, block_t)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -127,7 +132,7 @@ def resources(fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int
         "shared_bytes": int(kernel.metadata.shared) + field("SHARED"),  # dynamic (Triton's) + static
         "global_loads": len(re.findall(r"\bLDG\.", sass)),
         "spill_stores": len(re.findall(r"\bSTL\b", sass)) + len(re.findall(r"\bSTL\.", sass)),
-        "instructions": len(re.findall(r"(?m)^\s+/\*[0-9a-f]{4}\*/", sass)),
+        "instructions": len(re.findall(r"(?m)^\s+/\*[0-9a-f]{4,}\*/", sass)),
         "mma": count("HMMA") + len(re.findall(r"\bHMMA\.", sass)),
     }
 
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--gq", type=int, default=4, help="query heads per KV head")
     p.add_argument("--num-warps", type=int, default=8)
+    p.add_argument("--block-t", type=int, help="tokens per tile (default: the launcher's choice)")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper), 80 (Ampere)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
@@ -189,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvquant.tools.kernel_resources: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    rows = [resources(f, args.head_dim, args.gq, args.num_warps, args.arch) for f in args.formats]
+    if args.block_t is not None and (args.block_t < 16 or args.block_t & (args.block_t - 1)):
+        p.error(f"--block-t: a power of two >= 16, got {args.block_t}")
+    rows = [
+        resources(f, args.head_dim, args.gq, args.num_warps, args.arch, args.block_t) for f in args.formats
+    ]
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -11,8 +11,8 @@ from kvquant.tools import kernel_resources  # noqa: E402
 
 def test_table_formats_build_without_spills(tmp_path, capsys):
     # The codebook and trellis reads once spilled registers at head_dim 128 (nuq4: 15 spill stores,
-    # tcq3: 16) and issued a byte load per channel and neighbour (tcq3: 259 global loads); a change that
-    # brings either back fails here
+    # tcq3: 16) and issued a byte load per channel and neighbour (tcq3: 259 global-load instructions
+    # for a 32-token tile, int3: 139 for 64); a change that brings either back fails here
     out = tmp_path / "rows.json"
     try:
         kernel_resources._tool("cuobjdump")
@@ -24,8 +24,10 @@ def test_table_formats_build_without_spills(tmp_path, capsys):
     for r in rows.values():
         assert r["head_dim"] == 128 and 0 < r["registers"] <= 255
         assert r["spill_stores"] == 0 and r["stack_bytes"] == 0, r
-    assert rows["tcq3"]["global_loads"] < 150 and rows["int3"]["global_loads"] < 80
-    assert rows["nuq4"]["block_t"] == 32 and rows["int3"]["block_t"] == 64  # the launcher's tiles
+    per_token = {f: r["global_loads"] / r["block_t"] for f, r in rows.items()}  # SASS loads per tile token
+    assert per_token["tcq3"] < 4 and per_token["int3"] < 1, per_token
+    # table formats with one scale per token fold it out of fp16 dots: the integer formats' 64-token tile
+    assert rows["nuq4"]["block_t"] == 64 and rows["tcq3"]["block_t"] == 64
 
 
 def test_formats_the_kernel_does_not_read_are_refused(capsys):
