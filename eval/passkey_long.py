@@ -106,3 +106,7 @@ def summary_table(answers: dict[str, list[dict]], lengths: list[int]) -> tuple[l
             row += ["-{} / +{}".format(*lost_and_gained(at[n], ref)) for n in lengths]
         rows.append(row)
     return head, rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -94,3 +94,24 @@ def test_bad_seed_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatc
         passkey_long.main(["--caches", "int8", "--seed", "0,x", "--out", str(tmp_path / "a.jsonl")])
     assert exc.value.code == 2
     assert "--seed" in capsys.readouterr().err
+
+
+def test_runs_as_a_module(tmp_path):
+    # python -m kvquant.eval.passkey_long reaches main (its flags are checked before the model loads)
+    import subprocess
+    import sys
+
+    out = tmp_path / "a.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvquant.eval.passkey_long",
+        "--caches",
+        "int8",
+        "--seed",
+        "x",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--seed" in proc.stderr
