@@ -45,18 +45,8 @@ def unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def plane_codes(
-    p_c,
-    o_t,
-    m_t,
-    stride_t,
-    stride_w,
-    BT: tl.constexpr,
-    D: tl.constexpr,
-    BITS: tl.constexpr,
-    OFF: tl.constexpr,
-    J: tl.constexpr,
-):
+def plane_codes(p_c, o_t, m_t, stride_t, stride_w, BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                OFF: tl.constexpr, J: tl.constexpr):  # fmt: skip
     """int32 ``[BT, D]``: at channel ``d`` the code of channel ``(d - J) mod D`` in one planar plane of
     ``BITS``-bit fields (1, 2, 4, 8) that starts at byte ``OFF`` of each row, from one contiguous load
     of the row's ``W = D * BITS / 8`` bytes.
