@@ -120,7 +120,7 @@ def resources(
         m = re.search(rf"\b{key}:(\d+)", usage)
         return int(m.group(1)) if m else 0
 
-    def count(op: str) -> int:
+    def count(op: str) -> int:  # an opcode with or without modifiers (``STL``, ``STL.64``), once each
         return len(re.findall(rf"\b{op}\b", sass))
 
     return {
@@ -130,10 +130,9 @@ def resources(
         "registers": field("REG"),
         "stack_bytes": field("STACK") + field("LOCAL"),  # spilled registers live here
         "shared_bytes": int(kernel.metadata.shared) + field("SHARED"),  # dynamic (Triton's) + static
-        "global_loads": len(re.findall(r"\bLDG\.", sass)),
-        "spill_stores": len(re.findall(r"\bSTL\b", sass)) + len(re.findall(r"\bSTL\.", sass)),
+        "global_loads": count("LDG"),
+        "spill_stores": count("STL"),
         "instructions": len(re.findall(r"(?m)^\s+/\*[0-9a-f]{4,}\*/", sass)),
-        "mma": count("HMMA") + len(re.findall(r"\bHMMA\.", sass)),
     }
 
 
