@@ -392,33 +392,23 @@ class _Launch:
     n_tiles: int
     splits: int = 1
 
+    def runtime_args(self, q, o_part, l_part, scaling, softcap) -> list:
+        """The split kernel's non-constexpr arguments, in its order (:meth:`launch`; offline builds)."""
+        return [q, *self.args, o_part, l_part, self.end, self.splits, self.hkv, float(scaling),
+                float(softcap) if softcap else 1.0, *self.val_strides, *q.stride(), *self.strides,
+                *o_part.stride(), *l_part.stride()]  # fmt: skip
+
     def launch(self, q, o_part, l_part, scaling, softcap) -> None:
         """Write this segment's partials into ``o_part [B, Hq, splits, D]`` / ``l_part [B, Hq, splits]``."""
-        b = q.shape[0]
-        decode_attention_split_kernel[(b * self.hkv, self.splits)](
-            q,
-            *self.args,
-            o_part,
-            l_part,
-            self.end,
-            self.splits,
-            self.hkv,
-            float(scaling),
-            float(softcap) if softcap else 1.0,
-            *self.val_strides,
-            *q.stride(),
-            *self.strides,
-            *o_part.stride(),
-            *l_part.stride(),
-            SOFTCAP=bool(softcap),
-            **self.consts,
+        decode_attention_split_kernel[(q.shape[0] * self.hkv, self.splits)](
+            *self.runtime_args(q, o_part, l_part, scaling, softcap), SOFTCAP=bool(softcap), **self.consts
         )
 
 
 def split_launch(q, tensors, *, k_fmt, v_fmt, k_group, v_group, k_axis, start, end, block_t=None, num_warps=8,
                  num_stages=None) -> _Launch:  # fmt: skip
-    """The split kernel's launch for one store segment (constexprs in ``.consts``, arguments in
-    ``.args`` / ``.strides``), exactly as :func:`quantized_decode_attention` prepares it, without
+    """The split kernel's launch for one store segment (constexprs in ``.consts``, arguments from
+    ``.runtime_args``), exactly as :func:`quantized_decode_attention` prepares it, without
     launching: for offline builds (:mod:`kvquant.tools.kernel_resources`). ``tensors``: the six store
     buffers ``(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)``."""
     seg = _Segment(tuple(tensors), k_fmt, v_fmt, k_group, v_group, k_axis, start, end)

@@ -64,8 +64,7 @@ def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = Non
                           k_axis="token", start=start, end=t, num_warps=num_warps, block_t=block_t)  # fmt: skip
     o_part = torch.empty(1, gq, 1, d)  # [B, Hq, splits, D]
     l_part = torch.empty(1, gq, 1)
-    values = [q, *launch.args, o_part, l_part, t, 1, 1, 1.0, 1.0, *launch.val_strides, *q.stride(),
-              *launch.strides, *o_part.stride(), *l_part.stride()]  # fmt: skip
+    values = launch.runtime_args(q, o_part, l_part, 1.0, None)
     return launch.consts, values
 
 
