@@ -69,6 +69,13 @@ class _Prompt:
     first: int  # the true answer's first token
 
 
+# The searches' defaults, also those of ``kvquant calibrate --retrieval`` / ``--retrieval-count``.
+SEARCH_TRIALS = 4  # find_retrieval_layers: passkey prompts
+SEARCH_MAX_LAYERS = 3  # find_retrieval_layers: layers chosen at most
+COUNT_TRIALS = 5  # find_retrieval_count: passkey prompts
+COUNT_MAX = 6  # find_retrieval_count: the largest count tried
+
+
 @torch.no_grad()
 def find_retrieval_layers(
     model: Any,
@@ -76,11 +83,11 @@ def find_retrieval_layers(
     config: KVQuantConfig,
     *,
     length: int = 4096,
-    trials: int = 4,
+    trials: int = SEARCH_TRIALS,
     digits: int = 5,
     seed: int = 1,
     protect_format: str = "nuq4",
-    max_layers: int = 3,
+    max_layers: int = SEARCH_MAX_LAYERS,
     tolerance: float = 0.1,
     progress: Callable[[str], None] | None = None,
 ) -> RetrievalLayers:
@@ -171,10 +178,10 @@ def find_retrieval_count(
     configs: list[KVQuantConfig],
     *,
     lengths: tuple[int, ...] = (4096,),
-    trials: int = 5,
+    trials: int = COUNT_TRIALS,
     digits: int = 5,
     seed: int = 1,
-    max_count: int = 6,
+    max_count: int = COUNT_MAX,
     tolerance: float = 0.1,
     progress: Callable[[str], None] | None = None,
 ) -> list[RetrievalCount]:

@@ -351,7 +351,7 @@ def _retrieval_inputs(args: argparse.Namespace):
 
 def _calibrate_retrieval(args: argparse.Namespace) -> int:
     """``kvquant calibrate --retrieval``: the cache's config with its retrieval layers' keys protected."""
-    from kvquant.eval.retrieval_layers import find_retrieval_layers
+    from kvquant.eval.retrieval_layers import SEARCH_MAX_LAYERS, SEARCH_TRIALS, find_retrieval_layers
     from kvquant.formats import FORMAT_NAMES
 
     if args.protect_format not in FORMAT_NAMES:
@@ -360,8 +360,8 @@ def _calibrate_retrieval(args: argparse.Namespace) -> int:
         )
     cfg, model, tok = _retrieval_inputs(args)
     start = time.perf_counter()
-    max_layers = 3 if args.max_layers is None else args.max_layers
-    trials = 4 if args.trials is None else args.trials
+    max_layers = SEARCH_MAX_LAYERS if args.max_layers is None else args.max_layers
+    trials = SEARCH_TRIALS if args.trials is None else args.trials
     found = find_retrieval_layers(
         model,
         tok,
@@ -392,12 +392,12 @@ def _calibrate_retrieval(args: argparse.Namespace) -> int:
 def _calibrate_retrieval_count(args: argparse.Namespace) -> int:
     """``kvquant calibrate --retrieval-count``: the cache's config with the probed retrieval layers it
     needs (``retrieval_layers: N``), N chosen on passkey prompts."""
-    from kvquant.eval.retrieval_layers import find_retrieval_count
+    from kvquant.eval.retrieval_layers import COUNT_MAX, COUNT_TRIALS, find_retrieval_count
 
     cfg, model, tok = _retrieval_inputs(args)
     start = time.perf_counter()
-    max_count = 6 if args.max_layers is None else args.max_layers
-    trials = 5 if args.trials is None else args.trials
+    max_count = COUNT_MAX if args.max_layers is None else args.max_layers
+    trials = COUNT_TRIALS if args.trials is None else args.trials
     (found,) = find_retrieval_count(
         model,
         tok,
@@ -426,6 +426,8 @@ def _calibrate_retrieval_count(args: argparse.Namespace) -> int:
 
 
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    from kvquant.eval import retrieval_layers as rl
+
     p = sub.add_parser(
         "calibrate",
         help="static per-(layer, head) int8 / fp8 scales or key maps from calibration text, or the layers "
@@ -472,7 +474,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--trials",
         type=int_at_least(1),
         default=None,
-        help="retrieval: prompts (default: 4; 5 with --retrieval-count)",
+        help=f"retrieval: prompts (default: {rl.SEARCH_TRIALS}; {rl.COUNT_TRIALS} with --retrieval-count)",
     )
     p.add_argument(
         "--protect-format", default="nuq4", help="retrieval: a chosen layer's key format (default: nuq4)"
@@ -487,7 +489,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--max-layers",
         type=int_at_least(0),
         default=None,
-        help="retrieval: at most this many layers (default: 3; 6 with --retrieval-count)",
+        help=f"retrieval: at most this many layers (default: {rl.SEARCH_MAX_LAYERS}; {rl.COUNT_MAX} with "
+        "--retrieval-count)",
     )
     p.add_argument(
         "--tolerance",
