@@ -168,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m kvquant.tools.kernel_resources", description=__doc__.split("\n")[0]
     )
     p.add_argument(
-        "--formats", nargs="+", default=allowed, help="formats read as keys and values (default: all)"
+        "--formats",
+        nargs="+",
+        default=allowed,
+        help="formats read as keys and values, by spaces or commas (default: all)",
     )
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--gq", type=int, default=4, help="query heads per KV head")
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper), 80 (Ampere)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
+    args.formats = [f for item in args.formats for f in item.split(",") if f]
     bad = [f for f in args.formats if f not in allowed]
     if bad:
         p.error(f"--formats: not read by the Triton kernel: {', '.join(bad)}; allowed: {', '.join(allowed)}")

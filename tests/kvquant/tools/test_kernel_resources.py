@@ -18,7 +18,7 @@ def test_table_formats_build_without_spills(tmp_path, capsys):
         kernel_resources._tool("cuobjdump")
     except FileNotFoundError:
         pytest.skip("this triton build ships no cuobjdump")
-    assert kernel_resources.main(["--formats", "nuq4", "tcq3", "int3", "--json", str(out)]) == 0
+    assert kernel_resources.main(["--formats", "nuq4,tcq3", "int3", "--json", str(out)]) == 0
     rows = {r["format"]: r for r in json.loads(out.read_text())}
     assert sorted(rows) == ["int3", "nuq4", "tcq3"]
     for r in rows.values():
