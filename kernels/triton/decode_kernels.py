@@ -98,20 +98,38 @@ def load_codes(
     BITS: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """Code values of tokens ``o_t`` as fp32 ``[BT, D]`` in channel order (planar int4 / int2 unpacked).
+    """Code values of tokens ``o_t`` as fp16 ``[BT, D]`` (exact) in channel order (planar int4 / int2
+    unpacked); format none's stored values as they are.
 
     fp8 codes arrive as their bytes (``FP8`` 1: e4m3fn, 2: e5m2) and are decoded through fp16 bit
     patterns (exact, no fp8 hardware or fp8 casts needed): e5m2 is the high byte of an fp16; e4m3's
-    exponent / mantissa shifted into fp16 position is the value times 2**-8.
+    exponent / mantissa shifted into fp16 position is the value times 2**-8. Integer codes: :func:`codes_to_f16`.
     """
     b_c = unpack_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS)
     if FP8 == 1:
         b_c = b_c.to(tl.uint16)
         b_c = ((b_c & 0x80) << 8) | ((b_c & 0x7F) << 7)
-        b_c = b_c.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        b_v = b_c.to(tl.float16, bitcast=True) * 256.0  # exact: a power of two, e4m3 lies within fp16
     elif FP8 == 2:
-        b_c = (b_c.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
-    return b_c.to(tl.float32)
+        b_v = (b_c.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    elif b_c.dtype.is_floating():  # format none: the values themselves
+        b_v = b_c
+    else:
+        b_v = codes_to_f16(b_c)
+    return b_v
+
+
+@triton.jit
+def codes_to_f16(b_c):
+    """Integer codes (int8 ``[-128, 128)``, else ``[0, 1024)``) as exact fp16, without an int-to-float
+    conversion (``I2F``, which sm_90 issues at a quarter of the rate of logic ops and fp16 adds): the fp16
+    of bits ``0x6400 | c`` is ``1024 + c``; signed 8-bit codes are offset by 128 first (``c ^ 0x80``)."""
+    if b_c.dtype == tl.int8:
+        b_u = (b_c.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16)
+        b_v = (b_u | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+    else:
+        b_v = (b_c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return b_v
 
 
 @triton.jit
@@ -129,7 +147,8 @@ def load_levels(
     LUT: tl.constexpr,
     M: tl.constexpr,
 ):
-    """Values before scaling of tokens ``o_t`` as fp32 ``[BT, D]`` (:class:`kvquant.formats.TritonRead`).
+    """Values before scaling of tokens ``o_t`` as ``[BT, D]`` (:class:`kvquant.formats.TritonRead`):
+    fp16 (exact) for codes read as they are (format none: the stored dtype), fp32 for table values.
 
     ``LUT`` 0: the code itself (:func:`load_codes`; 3-bit planes: :func:`shifted_codes`); 1:
     ``table[code]`` (codebooks); 2: ``table[state]``, the state of channel ``d`` being
@@ -145,7 +164,7 @@ def load_levels(
             for j in tl.static_range(1, M):
                 b_c = b_c | (shifted_codes(p_c, o_t, m_t, stride_t, stride_w, BT, D, BITS, j) << (j * BITS))
         if LUT == 0:
-            b_v = b_c.to(tl.float32)
+            b_v = codes_to_f16(b_c)
         else:
             b_v = tl.load(p_lut + b_c)  # [BT, D] fp32 table values
     return b_v
@@ -355,6 +374,7 @@ def decode_attention_split_kernel(
                 b_kz = load_scale(p_kz + r * stride_kzr + o_d * stride_kzg, o_d < D, K_SFP8)  # [D]
                 b_s += tl.sum(b_q * b_kz[None, :], axis=1)[:, None]
         else:  # dequantize the tile
+            b_k = b_k.to(tl.float32)
             if K_SCALE and not K_CHANNEL and K_G == D:  # one scale per token: [BT] loads, broadcast
                 b_k = b_k * load_scale(p_ks + o_t * stride_ksr, m_t, K_SFP8)[:, None]
                 if K_ZERO:
@@ -406,6 +426,7 @@ def decode_attention_split_kernel(
                 b_vz = load_scale(p_vz + o_t * stride_vzr, m_t, V_SFP8)  # [BT]
                 b_o += tl.sum(b_p * b_vz[None, :], axis=1)[:, None]
         else:
+            b_v = b_v.to(tl.float32)
             if V_SCALE and V_G == D:  # one scale per token: [BT] loads, broadcast
                 b_v = b_v * load_scale(p_vs + o_t * stride_vsr, m_t, V_SFP8)[:, None]
                 if V_ZERO:

@@ -41,6 +41,7 @@ def dequantize_kernel(p_c, p_lut, p_s, p_z, p_out, i0, n, H, stride_cb, stride_c
     o_d = tl.arange(0, D)
     p_c = p_c + i_b * stride_cb + i_h * stride_ch
     b_x = load_levels(p_c, p_lut, o_t, m_n, stride_ct, stride_cw, BT, D, BITS, FP8, LUT, M)  # [BT, D]
+    b_x = b_x.to(tl.float32)
     if SCALE:
         if CHANNEL:  # one scale row per G tokens
             o_r = (o_t // G)[:, None] * stride_sr + o_d[None, :] * stride_sg
