@@ -5,7 +5,9 @@ For each format it prepares the launch the decode op makes (``decode_attention.s
 same constexprs, tile size, warps and pipeline stages), compiles it for an NVIDIA architecture with
 the ``ptxas`` Triton ships, and reads the cubin with ``cuobjdump``: registers per thread, stack bytes
 (where spilled registers go), shared memory (Triton's dynamic allocation plus the static part), and
-in the SASS the global loads, spill stores and instructions. These are static counts of one build,
+in the SASS the global loads, spill stores, integer-to-float conversions (``I2F``) and instructions.
+The build specializes its arguments as Triton's JIT does at launch (strides of 1 as constants,
+multiples of 16 marked so), or its loads would not vectorize as the launched kernel's do. These are static counts of one build,
 not timings: they show a change's effect on register pressure and loads when no GPU is at hand;
 time it with ``make gpu-check`` when one is.
 
@@ -55,15 +57,15 @@ def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = Non
     from kvquant.kernels.triton.decode_attention import split_launch
     from kvquant.tools.kernel_stores import tiled_store
 
-    t = 64
-    x = torch.randn(1, 1, t, d, generator=torch.Generator().manual_seed(0)).half()  # [B, Hkv, T, D]
+    t = 4096  # a realistic store: strides specialize as a long one's do (multiples of 16); `end` does not
+    x = torch.randn(1, 2, t, d, generator=torch.Generator().manual_seed(0)).half()  # [B, Hkv, T, D]
     codes, scale, zero = tiled_store(x, fmt, d, "token")
-    q = torch.randn(1, gq, d).half()  # [B, Hq, D]
+    q = torch.randn(1, 2 * gq, d).half()  # [B, Hq, D]
     start = torch.zeros(1, dtype=torch.long)
     launch = split_launch(q, (codes, scale, zero, codes, scale, zero), k_fmt=fmt, v_fmt=fmt, k_group=d, v_group=d,
-                          k_axis="token", start=start, end=t, num_warps=num_warps, block_t=block_t)  # fmt: skip
-    o_part = torch.empty(1, gq, 1, d)  # [B, Hq, splits, D]
-    l_part = torch.empty(1, gq, 1)
+                          k_axis="token", start=start, end=t - 5, num_warps=num_warps, block_t=block_t)  # fmt: skip
+    o_part = torch.empty(1, 2 * gq, 1, d)  # [B, Hq, splits, D]
+    l_part = torch.empty(1, 2 * gq, 1)
     values = launch.runtime_args(q, o_part, l_part, 1.0, None)
     return launch.consts, values
 
@@ -72,7 +74,6 @@ def build(
     fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90, block_t: int | None = None
 ):
     """The compiled split-decode kernel (a Triton ``CompiledKernel``) for ``fmt`` on ``sm_<arch>``."""
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -87,17 +88,41 @@ def build(
     runtime = [n for n in fn.arg_names if n not in consts]
     if len(runtime) != len(values):
         raise RuntimeError(f"decode kernel: {len(runtime)} runtime arguments, the launch gives {len(values)}")
-    sig: dict[str, str] = {}
-    for name, v in zip(runtime, values, strict=True):
-        if isinstance(v, torch.Tensor):
-            sig[name] = _PTR[str(v.dtype).removeprefix("torch.")]
-        elif isinstance(v, float):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i64" if name.startswith("stride") else "i32"
+    sig, constexprs, attrs = _specialize(fn, dict(zip(runtime, values, strict=True)))
     sig.update({n: "constexpr" for n in consts})
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    constexprs.update({(fn.arg_names.index(k),): v for k, v in consts.items()})
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options), consts
+
+
+def _specialize(fn, runtime: dict[str, Any]) -> tuple[dict[str, str], dict, dict]:
+    """Signature, constexprs and attributes of ``fn``'s runtime arguments as Triton's JIT makes them at
+    launch: integers of value 1 become constexprs, integers below 2**31 are i32, and integers and
+    pointers that are multiples of 16 carry ``tt.divisibility`` (which lets loads vectorize); floats are
+    fp32. A build without this (every stride i64, none known to be 1) differs from the launched one."""
+    import torch
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import native_specialize_impl
+
+    sig: dict[str, str] = {}
+    constexprs: dict = {}
+    attrs: dict = {}
+    for name, v in runtime.items():
+        i = fn.arg_names.index(name)
+        param = fn.params[i] if hasattr(fn, "params") else None  # none under TRITON_INTERPRET
+        if isinstance(v, float):
+            sig[name] = "fp32"
+            continue
+        specialize = param is None or not param.do_not_specialize
+        align = param is None or not param.do_not_specialize_on_alignment
+        kind, spec = native_specialize_impl(CUDABackend, v, False, specialize, align)
+        if kind == "constexpr":
+            sig[name], constexprs[(i,)] = "constexpr", v
+            continue
+        sig[name] = _PTR[str(v.dtype).removeprefix("torch.")] if isinstance(v, torch.Tensor) else kind
+        if spec:
+            attrs[(i,)] = CUDABackend.parse_attr(spec)
+    return sig, constexprs, attrs
 
 
 def resources(
@@ -131,6 +156,7 @@ def resources(
         "shared_bytes": int(kernel.metadata.shared) + field("SHARED"),  # dynamic (Triton's) + static
         "global_loads": count("LDG"),
         "spill_stores": count("STL"),
+        "int_to_float": count("I2F"),  # quarter-rate conversions (the prologue's integer division has one)
         "instructions": len(re.findall(r"(?m)^\s+/\*[0-9a-f]{4,}\*/", sass)),
     }
 
@@ -147,10 +173,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "shared bytes",
         "LDG",
         "STL (spills)",
+        "I2F",
         "SASS",
     ]
     keys = ["format", "head_dim", "block_t", "registers", "stack_bytes", "shared_bytes", "global_loads",
-            "spill_stores", "instructions"]  # fmt: skip
+            "spill_stores", "int_to_float", "instructions"]  # fmt: skip
     return table(head, [[str(r[k]) for k in keys] for r in rows], left=1)
 
 
