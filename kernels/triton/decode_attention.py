@@ -22,7 +22,10 @@ How scales enter (``K_MODE`` / ``V_MODE``):
   products. Keys: ``scores = s_t * (q . c_t) + z_t * sum(q)``; values: ``out = (p * s) @ C + p @ z``.
 - ``1`` channel-axis keys (KIVI): the per-channel scales of the tile's token block are folded into
   ``q``: ``scores = (q * s) . c_t + q . z``. Tiles never straddle a block (``BT`` divides ``G``).
-- ``2`` anything else (channel groups smaller than the head, odd channel-axis blocks, the ``none``
+- ``3`` per-token scales per channel group of ``G >= 16`` channels: one batched dot per group,
+  each group's scale folded out as in mode 0: ``scores = sum_g s_tg * (q_g . c_tg) + z_tg * sum(q_g)``;
+  ``out_g = (p * s_g) @ C_g + p @ z_g``.
+- ``2`` anything else (channel groups below 16 channels, odd channel-axis blocks, the ``none``
   format in bf16 / fp32): the tile is dequantized in registers (``c * s + z``) before the dot.
 
 Scales and zero points in fp32 / fp16 / bf16 are loaded as they are, float8_e4m3fn ones as bytes
@@ -98,8 +101,12 @@ def _operand(codes, scale, zero, fmt, group, axis, d):
             )
     if axis == "channel":
         mode = 1 if read.exact_f16 else 2
-    else:
-        mode = 0 if group == d and (read.exact_f16 or read.lut) else 2  # table values: two fp16 halves
+    elif not (read.exact_f16 or read.lut):
+        mode = 2
+    elif group == d:
+        mode = 0  # table values: two fp16 halves
+    else:  # one dot per channel group (tl.dot wants >= 16 along its inner dimension)
+        mode = 3 if group >= 16 and d % group == 0 else 2
     return read, mode, scale, zero if spec.has_zero else None, True, spec.has_zero
 
 

@@ -210,6 +210,12 @@ def dot_split(a, b):
 
 
 @triton.jit
+def group_major(a, M: tl.constexpr, NG: tl.constexpr, G: tl.constexpr):
+    """``a[M, NG * G]`` as ``[NG, M, G]``: channel group first, for a batched dot per group."""
+    return tl.permute(tl.reshape(a, (M, NG, G)), (1, 0, 2))
+
+
+@triton.jit
 def tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
@@ -317,6 +323,16 @@ def decode_attention_split_kernel(
             b_qhi, b_qlo, b_qp2 = split_f16(b_q)  # [GQP, D], [GQP, D], [GQP]
         else:
             b_q16 = b_q.to(tl.float16)  # exact: q is fp16
+    elif K_MODE == 3:  # q by channel group: [NG, GQP, G]
+        NGK: tl.constexpr = D // K_G
+        o_kg = tl.arange(0, NGK)
+        b_qsum3 = tl.sum(group_major(b_q, GQP, NGK, K_G), axis=2)  # [NG, GQP]
+        if Q_SPLIT:
+            b_qhi, b_qlo, b_qp2 = split_f16(b_q)  # [GQP, D], [GQP, D], [GQP]
+            b_qhi3 = group_major(b_qhi, GQP, NGK, K_G)
+            b_qlo3 = group_major(b_qlo, GQP, NGK, K_G)
+        else:
+            b_qhi3 = group_major(b_q.to(tl.float16), GQP, NGK, K_G)  # exact: q is fp16
 
     p_kc = p_kc + i_b * stride_kcb + i_h * stride_kch
     p_ks = p_ks + i_b * stride_ksb + i_h * stride_ksh
@@ -366,6 +382,24 @@ def decode_attention_split_kernel(
             if K_ZERO:
                 b_kz = load_scale(p_kz + o_t * stride_kzr, m_t, K_SFP8)  # [BT]
                 b_s += b_qsum[:, None] * b_kz[None, :]
+        elif K_MODE == 3:  # a scale per token and K_G channels: one dot per group, the scales folded out
+            b_kh = b_k.to(tl.float16)  # [BT, D] exact (table values: their high half)
+            b_k3 = tl.permute(tl.reshape(b_kh, (BT, NGK, K_G)), (1, 2, 0))  # [NG, G, BT]
+            b_s3 = tl.dot(b_qhi3, b_k3)  # [NG, GQP, BT]
+            if Q_SPLIT:
+                b_s3 = tl.dot(b_qlo3, b_k3, b_s3)
+            if K_LUT > 0:  # the low half
+                b_kl = (b_k - b_kh.to(tl.float32)).to(tl.float16)
+                b_s3 = tl.dot(b_qhi3, tl.permute(tl.reshape(b_kl, (BT, NGK, K_G)), (1, 2, 0)), b_s3)
+            o_ks = o_t[None, :] * stride_ksr + o_kg[:, None] * stride_ksg  # [NG, BT]
+            b_ks = load_scale(p_ks + o_ks, m_t[None, :], K_SFP8)  # [NG, BT]
+            b_s = tl.sum(b_s3 * b_ks[:, None, :], axis=0)  # [GQP, BT]
+            if Q_SPLIT:
+                b_s = b_s * b_qp2[:, None]
+            if K_ZERO:
+                o_kz = o_t[None, :] * stride_kzr + o_kg[:, None] * stride_kzg
+                b_kz = load_scale(p_kz + o_kz, m_t[None, :], K_SFP8)  # [NG, BT]
+                b_s += tl.sum(b_qsum3[:, :, None] * b_kz[:, None, :], axis=0)
         elif K_MODE == 1:  # the tile lies in one token block: its per-channel scales fold into q
             r = (i_t * BT) // K_G
             b_ks = load_scale(p_ks + r * stride_ksr + o_d * stride_ksg, o_d < D, K_SFP8)  # [D]
@@ -425,6 +459,26 @@ def decode_attention_split_kernel(
             if V_ZERO:
                 b_vz = load_scale(p_vz + o_t * stride_vzr, m_t, V_SFP8)  # [BT]
                 b_o += tl.sum(b_p * b_vz[None, :], axis=1)[:, None]
+        elif V_MODE == 3:  # a scale per token and V_G channels: (p * s_g) @ C_g per group
+            NGV: tl.constexpr = D // V_G
+            o_vg = tl.arange(0, NGV)
+            o_vs = o_t[None, :] * stride_vsr + o_vg[:, None] * stride_vsg  # [NG, BT]
+            b_vs = load_scale(p_vs + o_vs, m_t[None, :], V_SFP8)  # [NG, BT]
+            b_pv3 = b_p[None, :, :] * b_vs[:, None, :]  # [NG, GQP, BT]
+            b_phi, b_plo, b_pp2 = split_f16(tl.reshape(b_pv3, (NGV * GQP, BT)))  # per (group, query) row
+            b_phi3 = tl.reshape(b_phi, (NGV, GQP, BT))
+            b_vh = b_v.to(tl.float16)  # [BT, D] exact (table values: their high half)
+            b_o3 = tl.dot(b_phi3, group_major(b_vh, BT, NGV, V_G))  # [NG, GQP, G]
+            b_o3 = tl.dot(tl.reshape(b_plo, (NGV, GQP, BT)), group_major(b_vh, BT, NGV, V_G), b_o3)
+            if V_LUT > 0:  # the low half; lo @ lo (2**-22 relative) left out
+                b_vl = (b_v - b_vh.to(tl.float32)).to(tl.float16)
+                b_o3 = tl.dot(b_phi3, group_major(b_vl, BT, NGV, V_G), b_o3)
+            b_o3 = b_o3 * tl.reshape(b_pp2, (NGV, GQP))[:, :, None]
+            if V_ZERO:
+                o_vz = o_t[None, :] * stride_vzr + o_vg[:, None] * stride_vzg
+                b_vz = load_scale(p_vz + o_vz, m_t[None, :], V_SFP8)  # [NG, BT]
+                b_o3 += tl.sum(b_p[None, :, :] * b_vz[:, None, :], axis=2)[:, :, None]
+            b_o = tl.reshape(tl.permute(b_o3, (1, 0, 2)), (GQP, D))
         else:
             b_v = b_v.to(tl.float32)
             if V_SCALE and V_G == D:  # one scale per token: [BT] loads, broadcast

@@ -241,6 +241,32 @@ def test_channel_groups_token_axis(k_group, v_group, device):
         assert_close(*got)
 
 
+@pytest.mark.parametrize(
+    ("k_fmt", "v_fmt", "group", "qdtype"),
+    [
+        ("int4", "int4", 64, torch.float16),
+        ("int8", "fp8_e4m3", 16, torch.bfloat16),
+        ("int3", "nuq3", 32, torch.float32),
+    ],
+)
+def test_channel_groups_fold_their_scales(k_fmt, v_fmt, group, qdtype, device):
+    """Per-token scales per channel group (the int4 / int8 / fp8 presets' keys and values) fold out of
+    one dot per group (mode 3) instead of a dequantized fp32 tile (mode 2): groups of >= 16 channels
+    that divide the head; the result is the reference's, queries of every dtype (bf16 / fp32: split)."""
+    from kvquant.kernels.triton.decode_attention import _operand
+
+    d = 128
+    q, k, v = _inputs(2, 2, 3, 70, d, device, seed=group, qdtype=qdtype)
+    start = torch.tensor([0, 9], device=device)
+    kst, vst = _store(k, k_fmt, group), _store(v, v_fmt, group)
+    assert (
+        _operand(*kst, k_fmt, group, "token", d)[1] == 3 and _operand(*vst, v_fmt, group, "token", d)[1] == 3
+    )
+    assert _operand(*_store(k, k_fmt, 8), k_fmt, 8, "token", d)[1] == 2  # below tl.dot's 16
+    got = run_both(q, k, v, k_fmt=k_fmt, v_fmt=v_fmt, k_group=group, v_group=group, start=start, end=70)
+    assert_close(*got)
+
+
 @pytest.mark.parametrize(("k_fmt", "v_fmt"), [("int8", "int8"), ("fp8_e4m3", "fp8_e5m2"), ("int8", "int4")])
 def test_static_scales(k_fmt, v_fmt, device):
     q, k, v = _inputs(2, 2, 3, 90, 64, device, seed=7)
