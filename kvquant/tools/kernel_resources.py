@@ -50,8 +50,9 @@ def _tool(name: str) -> Path:
     return path
 
 
-def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = None):
-    """The decode op's launch (constexprs and arguments) for ``fmt`` keys and values, head_dim ``d``."""
+def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = None, group: int | None = None):
+    """The decode op's launch (constexprs and arguments) for ``fmt`` keys and values, head_dim ``d``,
+    one scale per token and ``group`` channels (None: per head)."""
     import torch
 
     from kvquant.kernels.triton.decode_attention import split_launch
@@ -59,10 +60,11 @@ def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = Non
 
     t = 4096  # a realistic store: strides specialize as a long one's do (multiples of 16); `end` does not
     x = torch.randn(1, 2, t, d, generator=torch.Generator().manual_seed(0)).half()  # [B, Hkv, T, D]
-    codes, scale, zero = tiled_store(x, fmt, d, "token")
+    group = group or d
+    codes, scale, zero = tiled_store(x, fmt, group, "token")
     q = torch.randn(1, 2 * gq, d).half()  # [B, Hq, D]
     start = torch.zeros(1, dtype=torch.long)
-    launch = split_launch(q, (codes, scale, zero, codes, scale, zero), k_fmt=fmt, v_fmt=fmt, k_group=d, v_group=d,
+    launch = split_launch(q, (codes, scale, zero, codes, scale, zero), k_fmt=fmt, v_fmt=fmt, k_group=group, v_group=group,
                           k_axis="token", start=start, end=t - 5, num_warps=num_warps, block_t=block_t)  # fmt: skip
     o_part = torch.empty(1, 2 * gq, 1, d)  # [B, Hq, splits, D]
     l_part = torch.empty(1, 2 * gq, 1)
@@ -71,7 +73,13 @@ def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = Non
 
 
 def build(
-    fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90, block_t: int | None = None
+    fmt: str,
+    d: int = 128,
+    gq: int = 4,
+    num_warps: int = 8,
+    arch: int = 90,
+    block_t: int | None = None,
+    group: int | None = None,
 ):
     """The compiled split-decode kernel (a Triton ``CompiledKernel``) for ``fmt`` on ``sm_<arch>``."""
     import triton
@@ -80,7 +88,7 @@ def build(
 
     from kvquant.kernels.triton.decode_kernels import decode_attention_split_kernel as fn
 
-    consts, values = _launch(fmt, d, gq, num_warps, block_t)
+    consts, values = _launch(fmt, d, gq, num_warps, block_t, group)
     options = {"num_warps": consts.pop("num_warps")}
     if "num_stages" in consts:
         options["num_stages"] = consts.pop("num_stages")
@@ -126,11 +134,17 @@ def _specialize(fn, runtime: dict[str, Any]) -> tuple[dict[str, str], dict, dict
 
 
 def resources(
-    fmt: str, d: int = 128, gq: int = 4, num_warps: int = 8, arch: int = 90, block_t: int | None = None
+    fmt: str,
+    d: int = 128,
+    gq: int = 4,
+    num_warps: int = 8,
+    arch: int = 90,
+    block_t: int | None = None,
+    group: int | None = None,
 ) -> dict[str, Any]:
     """One row: the build's registers, stack / shared bytes and SASS counts for ``fmt`` (``block_t``:
-    tokens per tile, None: the launcher's choice)."""
-    kernel, consts = build(fmt, d, gq, num_warps, arch, block_t)
+    tokens per tile, None: the launcher's choice; ``group``: channels per scale, None: the head)."""
+    kernel, consts = build(fmt, d, gq, num_warps, arch, block_t, group)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -150,6 +164,8 @@ def resources(
     return {
         "format": fmt,
         "head_dim": d,
+        "group": group or d,
+        "mode": consts["K_MODE"],
         "block_t": consts["BT"],
         "registers": field("REG"),
         "stack_bytes": field("STACK") + field("LOCAL"),  # spilled registers live here
@@ -167,6 +183,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     head = [
         "format",
         "head_dim",
+        "group",
+        "mode",
         "tile",
         "registers",
         "stack bytes",
@@ -176,7 +194,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "I2F",
         "SASS",
     ]
-    keys = ["format", "head_dim", "block_t", "registers", "stack_bytes", "shared_bytes", "global_loads",
+    keys = ["format", "head_dim", "group", "mode", "block_t", "registers", "stack_bytes", "shared_bytes", "global_loads",
             "spill_stores", "int_to_float", "instructions"]  # fmt: skip
     return table(head, [[str(r[k]) for k in keys] for r in rows], left=1)
 
@@ -204,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gq", type=int, default=4, help="query heads per KV head")
     p.add_argument("--num-warps", type=int, default=8)
     p.add_argument("--block-t", type=int, help="tokens per tile (default: the launcher's choice)")
+    p.add_argument("--group", type=int, help="channels per scale (default: the head, one scale per token)")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper), 80 (Ampere)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
@@ -213,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--formats: not read by the Triton kernel: {', '.join(bad)}; allowed: {', '.join(allowed)}")
     if args.head_dim < 16 or args.head_dim & (args.head_dim - 1):
         p.error(f"--head-dim: a power of two >= 16 (the Triton kernel's), got {args.head_dim}")
+    if args.group is not None and (args.group < 1 or args.head_dim % args.group):
+        p.error(f"--group: a divisor of --head-dim ({args.head_dim}), got {args.group}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the kernels must be decorated for a real build
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.run(
@@ -227,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_t is not None and (args.block_t < 16 or args.block_t & (args.block_t - 1)):
         p.error(f"--block-t: a power of two >= 16, got {args.block_t}")
     rows = [
-        resources(f, args.head_dim, args.gq, args.num_warps, args.arch, args.block_t) for f in args.formats
+        resources(f, args.head_dim, args.gq, args.num_warps, args.arch, args.block_t, args.group)
+        for f in args.formats
     ]
     print(markdown(rows))
     if args.json:

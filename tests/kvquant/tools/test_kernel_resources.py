@@ -48,6 +48,21 @@ def test_table_formats_build_without_spills(tmp_path, capsys):
     assert rows["nuq4"]["block_t"] == 64 and rows["tcq3"]["block_t"] == 64
 
 
+def test_channel_groups_build_lean(tmp_path):
+    # the presets' scales per 32 / 64 channels once dequantized each tile to fp32 for tf32x3 dots
+    # (int4, 64 channels at head_dim 128: 255 registers, 8 spill stores, 85 instructions per token);
+    # one dot per group with the scales folded out (mode 3) takes about what one scale per head does
+    try:
+        kernel_resources._tool("cuobjdump")
+    except FileNotFoundError:
+        pytest.skip("this triton build ships no cuobjdump")
+    out = tmp_path / "rows.json"
+    assert kernel_resources.main(["--formats", "int4,tcq3", "--group", "64", "--json", str(out)]) == 0
+    for r in json.loads(out.read_text()):
+        assert r["mode"] == 3 and r["block_t"] == 64 and r["registers"] < 255, r
+        assert r["instructions"] / r["block_t"] < 50 and r["spill_stores"] <= 1, r
+
+
 def test_formats_the_kernel_does_not_read_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         kernel_resources.main(["--formats", "int4", "none"])
@@ -61,3 +76,7 @@ def test_head_dim_must_suit_the_kernel(capsys):
         kernel_resources.main(["--head-dim", "80"])
     assert exc.value.code == 2
     assert "--head-dim" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        kernel_resources.main(["--group", "48"])
+    assert exc.value.code == 2
+    assert "--group" in capsys.readouterr().err
