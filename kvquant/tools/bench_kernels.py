@@ -40,6 +40,10 @@ import torch
 from kvquant.tools.kernel_stores import nbytes as _nbytes
 from kvquant.tools.kernel_stores import tiled_store as _store
 
+# (format, channels per scale) of the presets (configs/presets: int4, int8, fp8), timed besides one
+# scale per head vector
+PRESET_GROUPS = (("int4", 64), ("int8", 32), ("fp8_e4m3", 64))
+
 
 def triton_formats(head_dim: int = 128) -> list[str]:
     """Every quantized format whose decode ``kernels.ops`` runs on the Triton backend on CUDA (fp16
@@ -184,22 +188,27 @@ def bench_shape(
         torch.cuda.empty_cache()
 
     formats = triton_formats(d) if formats is None else formats
-    configs = [("none", "none", "token", None)] + [(f, f, "token", None) for f in formats]
+    # (label, format, key axis, key group, value group); None: one scale per head vector
+    configs = [("none", "none", "token", None, None)] + [(f, f, "token", None, None) for f in formats]
     if "int4" in formats:
-        configs.append(("int4-kivi", "int4", "channel", 128))
-    for label, fmt, axis, kg in configs:
+        configs.append(("int4-kivi", "int4", "channel", 128, None))
+    # the presets' channel groups: scales per 64 (int4, fp8) or 32 (int8) channels of each token
+    configs += [
+        (f"{f}-g{g}", f, "token", g, g) for f, g in PRESET_GROUPS if f in formats and d % g == 0 and g < d
+    ]
+    for label, fmt, axis, kg, vg in configs:
         try:
             if fmt == "none":
                 kst, vst = (k, None, None), (v, None, None)
             else:
                 kst = _store(k, fmt, kg or d, axis)
-                vst = _store(v, fmt, d, "token")
+                vst = _store(v, fmt, vg or d, "token")
         except Exception as e:  # report it, keep going
             note = f"failed to quantize: {type(e).__name__}: {e}"[:200]
             rows.append(dict(batch=b, context=t, impl=f"ours-{label}", us=None, note=note))
             continue
         kw = dict(
-            k_fmt=fmt, v_fmt=fmt, k_group=kg, v_group=None, k_axis=axis, start=start, end=t, scaling=scaling
+            k_fmt=fmt, v_fmt=fmt, k_group=kg, v_group=vg, k_axis=axis, start=start, end=t, scaling=scaling
         )
 
         def fn(kst=kst, vst=vst, kw=kw):
