@@ -111,16 +111,23 @@ def _operand(codes, scale, zero, fmt, group, axis, d):
 
 
 def _block_t(
-    d: int, k_mode: int, v_mode: int, k_axis: str, k_group: int, block_t: int | None = None
+    d: int,
+    k_mode: int,
+    v_mode: int,
+    k_axis: str,
+    k_group: int,
+    block_t: int | None = None,
+    tables: bool = False,
 ) -> tuple[int, int]:
     """Tokens per tile (a power of two >= 16) and the key mode (channel fold needs BT | G).
 
     Sized so that sm_90 builds (8 warps) do not spill (``python -m kvquant.tools.kernel_resources``):
-    64 tokens for head_dim <= 128 with folded scales, 32 for head_dim 256 or when a tile is
-    dequantized to fp32 (mode 2, tf32x3 dots).
-    ``block_t`` overrides it.
+    64 tokens with folded scales up to head_dim 128, and up to 256 for codes read without a table
+    (``tables``: codebooks, trellis codes); else 32 (also when a tile is dequantized to fp32: mode 2,
+    tf32x3 dots). ``block_t`` overrides it.
     """
-    bt = block_t or (64 if d <= 128 and 2 not in (k_mode, v_mode) else 32)
+    wide = d <= 128 or (d <= 256 and not tables)
+    bt = block_t or (64 if wide and 2 not in (k_mode, v_mode) else 32)
     if bt < 16 or not is_pow2(bt):
         raise ValueError(f"block_t: a power of two >= 16, got {bt}")
     if k_axis == "channel" and k_mode == 1:
@@ -315,7 +322,8 @@ class _Segment:
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale), ("k_zero", k_zero), ("v_zero", v_zero)):
             if t is not None and t.dtype.itemsize == 1 and t.dtype != torch.float8_e4m3fn:
                 raise ValueError(f"{name}: 8-bit scales are float8_e4m3fn, not {t.dtype}")
-        bt, k_mode = _block_t(d, k_mode, v_mode, self.k_axis, kg, block_t)
+        tables = bool(k_read.lut or v_read.lut)
+        bt, k_mode = _block_t(d, k_mode, v_mode, self.k_axis, kg, block_t, tables)
         stages = num_stages if num_stages is not None else _num_stages(k_read, v_read)
         valid = self.valid
         if valid is not None:

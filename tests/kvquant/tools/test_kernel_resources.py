@@ -63,6 +63,20 @@ def test_channel_groups_build_lean(tmp_path):
         assert r["instructions"] / r["block_t"] < 50 and r["spill_stores"] <= 1, r
 
 
+def test_wide_heads_take_64_token_tiles_without_tables(tmp_path):
+    # head_dim 256 (Gemma): codes read without a table take 64-token tiles without spilling (fewer
+    # instructions per token than 32: int4 28 against 45); codebooks and trellis codes keep 32
+    try:
+        kernel_resources._tool("cuobjdump")
+    except FileNotFoundError:
+        pytest.skip("this triton build ships no cuobjdump")
+    out = tmp_path / "rows.json"
+    assert kernel_resources.main(["--formats", "int4,nuq2", "--head-dim", "256", "--json", str(out)]) == 0
+    rows = {r["format"]: r for r in json.loads(out.read_text())}
+    assert rows["int4"]["block_t"] == 64 and rows["int4"]["spill_stores"] == 0, rows["int4"]
+    assert rows["nuq2"]["block_t"] == 32, rows["nuq2"]
+
+
 def test_formats_the_kernel_does_not_read_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         kernel_resources.main(["--formats", "int4", "none"])
