@@ -146,7 +146,7 @@ class Task:
 
 @dataclass
 class _Named:
-    name: str = opt("smollm2", "'smollm2' (embedded), a Hugging Face id, or a local folder")
+    name: str = opt("smollm2", "'smollm2' (embedded), a Hugging Face id, a local folder, or a .gguf file")
 
 
 @dataclass

@@ -77,6 +77,8 @@ def weights_label(name_or_path: str | os.PathLike[str] | None) -> str:
     embedded = name_or_path is None or str(name_or_path).lower() in EMBEDDED_ALIASES
     if embedded or Path(name_or_path) == embedded_cache_dir():  # (or its converted copy, as loaded)
         return f"embedded SmolLM2-135M-Instruct (weights dequantized from the 4-bit Q4_1 GGUF in {EMBEDDED_DIST})"
+    if str(name_or_path).endswith(".gguf"):
+        return f"{name_or_path} (weights dequantized from the GGUF file)"
     return str(name_or_path)
 
 
@@ -142,15 +144,39 @@ def ensure_embedded_copy(*, force: bool = False) -> Path:
     dequantized exactly), about 540 MB on disk.
     """
     gguf = find_embedded_gguf()
-    marker = _source_marker(gguf)
-    final = embedded_cache_dir()
+    return _ensure_copy(gguf, embedded_cache_dir(), _source_marker(gguf), force=force)
+
+
+def gguf_cache_dir(gguf: str | os.PathLike[str]) -> Path:
+    """Folder of the safetensors copy :func:`load_model` makes of a GGUF file
+    (``<cache_root>/gguf/<file stem>-<size>``)."""
+    path = Path(gguf).expanduser().resolve()
+    return cache_root() / "gguf" / f"{path.stem}-{path.stat().st_size}"
+
+
+def ensure_gguf_copy(gguf: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """Convert a GGUF file (any architecture transformers reads from GGUF) to a float32 safetensors
+    copy once, as for the embedded model, and return its folder; a changed file (size or modification
+    time) is converted again.
+
+    Example::
+
+        >>> folder = ensure_gguf_copy("gemma-3-270m-q4_k_m.gguf")  # then load_model(folder)
+    """
+    path = Path(gguf).expanduser().resolve()
+    stat = path.stat()
+    marker = {"gguf": str(path), "gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}
+    return _ensure_copy(path, gguf_cache_dir(path), marker, force=force)
+
+
+def _ensure_copy(gguf: Path, final: Path, marker: dict[str, Any], *, force: bool) -> Path:
     if not force and _cached_copy_is_valid(final, marker):
         return final
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    logger.warning("kvquant: converting the embedded %s to safetensors in %s (one-time)", gguf.name, final)
+    logger.warning("kvquant: converting %s to safetensors in %s (one-time)", gguf.name, final)
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     umask = os.umask(0)
@@ -211,8 +237,9 @@ def load_model(
 
     Args:
         name_or_path: ``None``, ``"smollm2"`` or ``"default"`` for the embedded SmolLM2-135M-Instruct;
-            otherwise a Hugging Face model id or a local folder (offline, only local folders and models
-            already in the HF cache resolve).
+            otherwise a Hugging Face model id, a local folder, or a ``.gguf`` file (converted once to a
+            float32 copy, :func:`ensure_gguf_copy`; offline, only local files and models already in the
+            HF cache resolve).
         dtype: parameter dtype.
         device: where to move the model when ``device_map`` is not given.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"``); overrides ``device``.
@@ -237,12 +264,18 @@ def load_model(
     embedded = name_or_path is None or str(name_or_path).lower() in EMBEDDED_ALIASES
     source = str(ensure_embedded_copy()) if embedded else os.fspath(name_or_path)
 
-    if not embedded and _looks_like_path(source) and not Path(source).expanduser().exists():
+    if (
+        not embedded
+        and (_looks_like_path(source) or source.endswith(".gguf"))
+        and not Path(source).expanduser().exists()
+    ):
         raise ValueError(
             f"load_model(name_or_path={source!r}): no such file or folder (pass a local model folder, a "
-            f"Hugging Face model id, or {DEFAULT_MODEL!r} for the embedded model)"
+            f"GGUF file, a Hugging Face model id, or {DEFAULT_MODEL!r} for the embedded model)"
         )
     source = os.path.expanduser(source)
+    if not embedded and source.endswith(".gguf") and os.path.isfile(source):
+        source = str(ensure_gguf_copy(source))
 
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn_implementation}
     if device_map is not None:

@@ -92,6 +92,22 @@ def test_cached_copy_is_complete_and_loads_by_path(smollm2):
     assert tok(PROMPT)["input_ids"] == smollm2[1](PROMPT)["input_ids"]
 
 
+@pytest.mark.slow
+def test_a_gguf_file_loads_through_a_converted_copy(smollm2, tmp_path, monkeypatch):
+    # any GGUF file (here the embedded one, by path) is converted once into the cache and loaded from it
+    monkeypatch.setenv("KVQUANT_CACHE", str(tmp_path))
+    gguf = models.find_embedded_gguf()
+    model, tok = load_model(str(gguf))
+    folder = models.gguf_cache_dir(gguf)
+    assert folder.parent == tmp_path / "gguf" and (folder / "model.safetensors").is_file()
+    assert model.config.num_key_value_heads == 3 and model.config.num_hidden_layers == 30
+    assert tok(PROMPT)["input_ids"] == smollm2[1](PROMPT)["input_ids"]
+    first = (folder / "model.safetensors").stat().st_mtime_ns
+    load_model(str(gguf))  # the copy is reused, not written again
+    assert (folder / "model.safetensors").stat().st_mtime_ns == first
+    assert "dequantized from the GGUF file" in models.weights_label(str(gguf))
+
+
 def test_unknown_path_raises_value_error(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(ValueError, match="name_or_path="):
@@ -100,6 +116,8 @@ def test_unknown_path_raises_value_error(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="name_or_path="):
         load_model(str(empty))
+    with pytest.raises(ValueError, match="no such file"):
+        load_model("missing-model.gguf")
 
 
 def test_cli_help_runs():
