@@ -133,18 +133,11 @@ def _specialize(fn, runtime: dict[str, Any]) -> tuple[dict[str, str], dict, dict
     return sig, constexprs, attrs
 
 
-def resources(
-    fmt: str,
-    d: int = 128,
-    gq: int = 4,
-    num_warps: int = 8,
-    arch: int = 90,
-    block_t: int | None = None,
-    group: int | None = None,
-) -> dict[str, Any]:
-    """One row: the build's registers, stack / shared bytes and SASS counts for ``fmt`` (``block_t``:
-    tokens per tile, None: the launcher's choice; ``group``: channels per scale, None: the head)."""
-    kernel, consts = build(fmt, d, gq, num_warps, arch, block_t, group)
+def resources(fmt: str, d: int = 128, **options: Any) -> dict[str, Any]:
+    """One row: the build's registers, stack / shared bytes and SASS counts for ``fmt`` at head_dim
+    ``d``; ``options``: :func:`build`'s (``block_t``: tokens per tile, None: the launcher's choice;
+    ``group``: channels per scale, None: the head)."""
+    kernel, consts = build(fmt, d, **options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -164,7 +157,7 @@ def resources(
     return {
         "format": fmt,
         "head_dim": d,
-        "group": group or d,
+        "group": options.get("group") or d,
         "mode": consts["K_MODE"],
         "block_t": consts["BT"],
         "registers": field("REG"),
@@ -248,7 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_t is not None and (args.block_t < 16 or args.block_t & (args.block_t - 1)):
         p.error(f"--block-t: a power of two >= 16, got {args.block_t}")
     rows = [
-        resources(f, args.head_dim, args.gq, args.num_warps, args.arch, args.block_t, args.group)
+        resources(
+            f,
+            args.head_dim,
+            gq=args.gq,
+            num_warps=args.num_warps,
+            arch=args.arch,
+            block_t=args.block_t,
+            group=args.group,
+        )
         for f in args.formats
     ]
     print(markdown(rows))

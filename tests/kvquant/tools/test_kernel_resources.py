@@ -9,6 +9,17 @@ pytest.importorskip("triton")
 from kvquant.tools import kernel_resources  # noqa: E402
 
 
+def _rows(tmp_path, *args: str) -> dict[str, dict]:
+    """``kernel_resources.main(args)``'s rows by format (skips where Triton ships no cuobjdump)."""
+    try:
+        kernel_resources._tool("cuobjdump")
+    except FileNotFoundError:
+        pytest.skip("this triton build ships no cuobjdump")
+    out = tmp_path / "rows.json"
+    assert kernel_resources.main([*args, "--json", str(out)]) == 0
+    return {r["format"]: r for r in json.loads(out.read_text())}
+
+
 def test_the_build_specializes_like_the_jit():
     # strides of 1 become constants and the rest are marked multiples of 16, as at launch; without
     # this the offline build loaded int4 codes a byte at a time where the launched kernel loads 16
@@ -24,17 +35,11 @@ def test_the_build_specializes_like_the_jit():
     assert sig["scaling"] == "fp32"
 
 
-def test_table_formats_build_without_spills(tmp_path, capsys):
+def test_table_formats_build_without_spills(tmp_path):
     # The codebook and trellis reads once spilled registers at head_dim 128 (nuq4: 13 spill stores,
     # tcq3: 14) and issued a byte load per channel and neighbour (tcq3: 259 global-load instructions
     # for a 32-token tile, int3: 139 for 64); a change that brings either back fails here
-    out = tmp_path / "rows.json"
-    try:
-        kernel_resources._tool("cuobjdump")
-    except FileNotFoundError:
-        pytest.skip("this triton build ships no cuobjdump")
-    assert kernel_resources.main(["--formats", "nuq4,tcq3", "int3", "--json", str(out)]) == 0
-    rows = {r["format"]: r for r in json.loads(out.read_text())}
+    rows = _rows(tmp_path, "--formats", "nuq4,tcq3", "int3")
     assert sorted(rows) == ["int3", "nuq4", "tcq3"]
     for r in rows.values():
         assert r["head_dim"] == 128 and 0 < r["registers"] <= 255
@@ -52,13 +57,7 @@ def test_channel_groups_build_lean(tmp_path):
     # the presets' scales per 32 / 64 channels once dequantized each tile to fp32 for tf32x3 dots
     # (int4, 64 channels at head_dim 128: 255 registers, 8 spill stores, 85 instructions per token);
     # one dot per group with the scales folded out (mode 3) takes about what one scale per head does
-    try:
-        kernel_resources._tool("cuobjdump")
-    except FileNotFoundError:
-        pytest.skip("this triton build ships no cuobjdump")
-    out = tmp_path / "rows.json"
-    assert kernel_resources.main(["--formats", "int4,tcq3", "--group", "64", "--json", str(out)]) == 0
-    for r in json.loads(out.read_text()):
+    for r in _rows(tmp_path, "--formats", "int4,tcq3", "--group", "64").values():
         assert r["mode"] == 3 and r["block_t"] == 64 and r["registers"] < 255, r
         assert r["instructions"] / r["block_t"] < 50 and r["spill_stores"] <= 1, r
 
@@ -66,13 +65,7 @@ def test_channel_groups_build_lean(tmp_path):
 def test_wide_heads_take_64_token_tiles_without_tables(tmp_path):
     # head_dim 256 (Gemma): codes read without a table take 64-token tiles without spilling (fewer
     # instructions per token than 32: int4 28 against 45); codebooks and trellis codes keep 32
-    try:
-        kernel_resources._tool("cuobjdump")
-    except FileNotFoundError:
-        pytest.skip("this triton build ships no cuobjdump")
-    out = tmp_path / "rows.json"
-    assert kernel_resources.main(["--formats", "int4,nuq2", "--head-dim", "256", "--json", str(out)]) == 0
-    rows = {r["format"]: r for r in json.loads(out.read_text())}
+    rows = _rows(tmp_path, "--formats", "int4,nuq2", "--head-dim", "256")
     assert rows["int4"]["block_t"] == 64 and rows["int4"]["spill_stores"] == 0, rows["int4"]
     assert rows["nuq2"]["block_t"] == 32, rows["nuq2"]
 
