@@ -26,7 +26,7 @@ import yaml
 from kvquant.formats import AXES, FORMAT_NAMES, SCALE_DTYPES, format_spec
 
 ROTATIONS = ("none", "hadamard")
-SMOOTHINGS = ("none", "mean", "channel")
+SMOOTHINGS = ("none", "mean", "channel", "auto")
 # fields a layer override may change (everything but the overrides themselves and the name)
 _OVERRIDABLE = (
     "key_format",
@@ -70,7 +70,9 @@ class KVQuantConfig:
             clipped to head_dim for narrower heads) or tokens per block (channel axis).
         rotation: ``none`` or ``hadamard`` (per-head Walsh-Hadamard before quantization).
         smoothing: keys only: ``none``, ``mean`` (subtract each channel's mean before quantizing,
-            add it back after) or ``channel`` (also divide by each channel's standard deviation).
+            add it back after), ``channel`` (also divide by each channel's standard deviation) or
+            ``auto`` (``channel`` for the heads whose channels' spreads differ widely, the largest
+            >= 6x the median, as with QK-norm gains; ``mean`` for the others).
             The statistics are per (sequence, head), taken from the first tokens the layer
             quantizes (the prompt; sinks and padding excluded) and kept in the scale dtype; the
             round trip undoes them exactly. Keys carry large per-channel offsets (they cost range

@@ -73,7 +73,7 @@ def test_fit_refuses_bad_input():
 
 
 @pytest.mark.parametrize("rotation", ["none", "hadamard"])
-@pytest.mark.parametrize("smoothing", ["none", "mean", "channel"])
+@pytest.mark.parametrize("smoothing", ["none", "mean", "channel", "auto"])
 def test_transform_with_a_map_keeps_scores_exact(rotation, smoothing):
     gen = torch.Generator().manual_seed(1)
     b, h, g, n, d = 2, 3, 2, 9, 64

@@ -157,7 +157,30 @@ def test_smoothing_statistics_skip_padding_and_sinks():
     assert torch.allclose(k_std[1, :, 0], k[1, :, 4:].std(1, unbiased=False), rtol=2e-3)
 
 
-@pytest.mark.parametrize("smoothing", ["mean", "channel"])
+def test_auto_smoothing_divides_only_the_heads_with_outlier_channels():
+    # head 0: a few channels 20x the others' spread (QK-norm gains, as in Gemma 3); head 1: even spreads
+    # (SmolLM2's largest / median is <= 4.9). "auto" divides head 0 by its spreads and leaves head 1 as
+    # "mean" does (divisor 1); fitted on too few tokens to tell, it divides none
+    gen = torch.Generator().manual_seed(5)
+    spread = torch.ones(16)
+    spread[:2] = 20.0
+    k = torch.randn(1, 2, 64, 16, generator=gen) * torch.stack([spread, torch.ones(16)])[None, :, None, :]
+    v = torch.randn(1, 2, 64, 16, generator=gen)
+    cfg = KVQuantConfig(key_format="int4", value_format="int4", smoothing="auto")
+    layer, kq, _ = _layer_roundtrip(cfg, k, v)
+    std = layer.transform.stats[1].float()[0, :, 0]  # [H, D]
+    assert torch.allclose(std[0], k[0, 0].std(0, unbiased=False), rtol=1e-2)
+    assert torch.equal(std[1], torch.ones(16))
+    mean_cfg = KVQuantConfig(key_format="int4", value_format="int4", smoothing="mean")
+    _, kq_mean, _ = _layer_roundtrip(mean_cfg, k, v)
+    assert torch.equal(kq[0, 1], kq_mean[0, 1])  # head 1 stored exactly as with "mean"
+    err = {n: (x[0, 0] - k[0, 0]).pow(2).mean().item() for n, x in (("auto", kq), ("mean", kq_mean))}
+    assert err["auto"] < err["mean"]  # head 0: the small channels keep their resolution
+    few, _, _ = _layer_roundtrip(cfg, k[:, :, :20], v[:, :, :20])
+    assert torch.equal(few.transform.stats[1].float(), torch.ones(1, 2, 1, 16))
+
+
+@pytest.mark.parametrize("smoothing", ["mean", "channel", "auto"])
 def test_smoothing_costs_and_planner_agree(smoothing):
     model = tiny_model("llama")
     c = model.config
@@ -169,7 +192,7 @@ def test_smoothing_costs_and_planner_agree(smoothing):
     layer_types = ["full_attention"] * c.num_hidden_layers
     expected = model_cache_bytes(cfg, layer_types, [None] * len(layer_types), 21, 2, kv_heads, head_dim, 4)
     assert cache.nbytes() == expected
-    per_head = head_dim * 2 * (2 if smoothing == "channel" else 1)  # fp16 mean (+ std) of the keys
+    per_head = head_dim * 2 * (1 if smoothing == "mean" else 2)  # fp16 mean (+ std) of the keys
     plain = KVQuantCache(c, KVQuantConfig(key_format="nuq3", value_format="int3", residual_length=3))
     with torch.no_grad():
         model(torch.randint(0, 100, (2, 21)), cache=plain)
