@@ -342,7 +342,16 @@ _RECENT = dict(residual_length=4, recent_key_format="nuq4", recent_value_format=
 _RECENT_2BIT = dict(key_group_size=32, scale_dtype="float8_e4m3", recent_length=96, **_RECENT)
 _PROBED = dict(retrieval_layers=4)  # keys and values of 4 probed retrieval layers in nuq4 (<= 3 bits)
 PINNED = {  # what the low-bit presets are; a change here is a change of a measured recipe
-    "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16),
+    # nuq4: scales per 64 channels; keys divided by their channels' spread in heads with outlier
+    # channels (smoothing: auto; Gemma 3 270M, README "A real Gemma-shaped model")
+    "nuq4": dict(
+        key_format="nuq4",
+        value_format="nuq4",
+        residual_length=16,
+        key_group_size=64,
+        value_group_size=64,
+        smoothing="auto",
+    ),
     "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8, **_PROBED),
     "k3v2": dict(key_format="nuq3", value_format="nuq2", residual_length=8, **_PROBED),
     "nuq2": dict(key_format="nuq2", value_format="nuq2", residual_length=8, **_PROBED),
@@ -363,5 +372,5 @@ PINNED = {  # what the low-bit presets are; a change here is a change of a measu
 
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_low_bit_presets_are_pinned(name):
-    expected = KVQuantConfig(**_RECIPE, **PINNED[name], name=name)
+    expected = KVQuantConfig(**{**_RECIPE, **PINNED[name]}, name=name)  # an entry may override the recipe
     assert KVQuantConfig.from_preset(name) == expected
