@@ -341,30 +341,18 @@ _RECENT = dict(residual_length=4, recent_key_format="nuq4", recent_value_format=
 # the 2-bit window recipe: keys scaled per 32 channels, 8-bit scales, a 96-token window
 _RECENT_2BIT = dict(key_group_size=32, scale_dtype="float8_e4m3", recent_length=96, **_RECENT)
 _PROBED = dict(retrieval_layers=4)  # keys and values of 4 probed retrieval layers in nuq4 (<= 3 bits)
+_G64 = dict(key_group_size=64, value_group_size=64)  # a scale per 64 channels (per head on 64-wide heads)
 PINNED = {  # what the low-bit presets are; a change here is a change of a measured recipe
     # nuq4: scales per 64 channels; keys divided by their channels' spread in heads with outlier
     # channels (smoothing: auto; Gemma 3 270M, README "A real Gemma-shaped model")
-    "nuq4": dict(
-        key_format="nuq4",
-        value_format="nuq4",
-        residual_length=16,
-        key_group_size=64,
-        value_group_size=64,
-        smoothing="auto",
-    ),
+    "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16, smoothing="auto", **_G64),
     "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8, **_PROBED),
     "k3v2": dict(key_format="nuq3", value_format="nuq2", residual_length=8, **_PROBED),
     "nuq2": dict(key_format="nuq2", value_format="nuq2", residual_length=8, **_PROBED),
     "k3v2-recent": dict(key_format="nuq3", value_format="nuq2", recent_length=64, **_RECENT, **_PROBED),
     "nuq2-recent": dict(key_format="nuq2", value_format="nuq2", **_RECENT_2BIT, **_PROBED),
     "tcq3v2-recent": dict(
-        key_format="tcq3",
-        value_format="tcq2",
-        key_group_size=64,
-        value_group_size=64,
-        recent_length=64,
-        **_RECENT,
-        **_PROBED,
+        key_format="tcq3", value_format="tcq2", recent_length=64, **_G64, **_RECENT, **_PROBED
     ),
     "tcq2-recent": dict(key_format="tcq2", value_format="tcq2", **_RECENT_2BIT, **_PROBED),
 }
