@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from kvquant.config import ROTATIONS, SMOOTHINGS
 from kvquant.formats import round_to_dtype
 from kvquant.kernels import ops
 
-ROTATIONS = ("none", "hadamard")
-SMOOTHINGS = ("none", "mean", "channel", "auto")
 # smoothing "auto": a head's channels are divided by their spread where the largest spread is at least
 # this many times the median (fitted on at least AUTO_MIN_TOKENS tokens). Key channel spreads, largest /
 # median per head over a 1,024-token WikiText-2 prefix: SmolLM2-135M 1.4-4.9 (every head); Gemma 3 270M
