@@ -468,8 +468,9 @@ def decode_attention_split_kernel(
             b_phi, b_plo, b_pp2 = split_f16(tl.reshape(b_pv3, (NGV * GQP, BT)))  # per (group, query) row
             b_phi3 = tl.reshape(b_phi, (NGV, GQP, BT))
             b_vh = b_v.to(tl.float16)  # [BT, D] exact (table values: their high half)
-            b_o3 = tl.dot(b_phi3, group_major(b_vh, BT, NGV, V_G))  # [NG, GQP, G]
-            b_o3 = tl.dot(tl.reshape(b_plo, (NGV, GQP, BT)), group_major(b_vh, BT, NGV, V_G), b_o3)
+            b_vh3 = group_major(b_vh, BT, NGV, V_G)  # [NG, BT, G]
+            b_o3 = tl.dot(b_phi3, b_vh3)  # [NG, GQP, G]
+            b_o3 = tl.dot(tl.reshape(b_plo, (NGV, GQP, BT)), b_vh3, b_o3)
             if V_LUT > 0:  # the low half; lo @ lo (2**-22 relative) left out
                 b_vl = (b_v - b_vh.to(tl.float32)).to(tl.float16)
                 b_o3 = tl.dot(b_phi3, group_major(b_vl, BT, NGV, V_G), b_o3)
