@@ -26,7 +26,7 @@ import yaml
 from kvquant.formats import AXES, FORMAT_NAMES, SCALE_DTYPES, format_spec
 
 ROTATIONS = ("none", "hadamard")
-SMOOTHINGS = ("none", "mean", "channel", "auto")
+SMOOTHINGS = ("none", "mean", "channel", "auto", "query")
 # fields a layer override may change (everything but the overrides themselves and the name)
 _OVERRIDABLE = (
     "key_format",
@@ -72,7 +72,12 @@ class KVQuantConfig:
         smoothing: keys only: ``none``, ``mean`` (subtract each channel's mean before quantizing,
             add it back after), ``channel`` (also divide by each channel's standard deviation) or
             ``auto`` (``channel`` for the heads whose channels' spreads differ widely, the largest
-            >= 6x the median, as with QK-norm gains; ``mean`` for the others).
+            >= 6x the median, as with QK-norm gains; ``mean`` for the others) or ``query`` (divide
+            each channel by ``spread^(1-a) / query_rms^a``: the key channels the model's queries
+            read most keep the finest steps; ``a`` 1/2 after a rotation, 1/4 without; the query
+            sizes come from one probe of the model, :mod:`kvquant.query_scales`, when the cache is
+            given the model, ``KVQuantCache(model, ...)``; with only its config the cache warns
+            and smooths as ``auto``. Not with a ``key_map``, which weighs by the queries itself).
             The statistics are per (sequence, head), taken from the first tokens the layer
             quantizes (the prompt; sinks and padding excluded) and kept in the scale dtype; the
             round trip undoes them exactly. Keys carry large per-channel offsets (they cost range
@@ -183,6 +188,13 @@ class KVQuantConfig:
             raise _bad(
                 "key_map", self.key_map, "a shipped key map's name or a file path (a non-empty string)"
             )
+        if self.key_map is not None and self.smoothing == "query":
+            raise _bad(
+                "smoothing",
+                self.smoothing,
+                "none, mean, channel or auto with a key_map (a key map weighs the keys by the queries "
+                "itself)",
+            )
         if self.static_scales is not None:
             for f in ("key_format", "value_format"):
                 if not format_spec(getattr(self, f)).takes_static_scale:
@@ -256,6 +268,17 @@ class KVQuantConfig:
                 if layer not in pinned:
                     over.setdefault(layer, {})[field_name] = self.retrieval_format
         return dataclasses.replace(self, layer_overrides=over, retrieval_layers=0)
+
+    def with_key_map(self, key_map: str | None) -> KVQuantConfig:
+        """This config with ``key_map`` set; ``smoothing: query`` becomes ``mean`` (a key map weighs
+        the keys by the queries itself: ``kvquant calibrate --key-map`` and ``kvquant tune --key-map``).
+
+        Example:
+            >>> KVQuantConfig.resolve("nuq4").with_key_map("smollm2").smoothing
+            'mean'
+        """
+        smoothing = "mean" if key_map is not None and self.smoothing == "query" else self.smoothing
+        return dataclasses.replace(self, key_map=key_map, smoothing=smoothing)
 
     def group_sizes(self, head_dim: int) -> tuple[int, int]:
         """(key, value) group sizes for a head of ``head_dim`` channels (None -> head_dim). A

@@ -58,20 +58,27 @@ def top_layers(scores: torch.Tensor, count: int) -> list[int]:
     return order[: max(0, min(count, best.numel()))]
 
 
-def _probe(model: Any, tokens: int, seed: int) -> torch.Tensor:
+def probe_ids(model: Any, tokens: int = PROBE_TOKENS, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """The probe's input ``[bos] + s + s`` as ``ids [1, T]`` on the model's device, and the position
+    of ``s[0]`` (``s``: ``tokens`` random ids from the middle of the vocabulary, clear of special ids)."""
     config = model.config.get_text_config(decoder=True)
-    num_layers = config.num_hidden_layers
     vocab = config.vocab_size
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    s = torch.randint(vocab // 10, vocab // 2, (tokens,), generator=gen)  # [n]; clear of special ids
+    s = torch.randint(vocab // 10, vocab // 2, (tokens,), generator=gen)  # [n]
     bos = getattr(config, "bos_token_id", None)
     if bos is None:
         bos = getattr(model.config, "bos_token_id", None)
     head = [] if bos is None or isinstance(bos, list) else [int(bos)]
     ids = torch.tensor(head + s.tolist() + s.tolist(), device=device)[None]  # [1, T]
-    first = len(head)  # position of s[0]
-    previous = _attn_implementation(model)
+    return ids, len(head)
+
+
+def _probe(model: Any, tokens: int, seed: int) -> torch.Tensor:
+    config = model.config.get_text_config(decoder=True)
+    num_layers = config.num_hidden_layers
+    ids, first = probe_ids(model, tokens, seed)  # first: position of s[0]
+    previous = attn_implementation(model)
     model.set_attn_implementation("eager")
     try:
         out = model(input_ids=ids, output_attentions=True, use_cache=False)
@@ -97,6 +104,6 @@ def _probe(model: Any, tokens: int, seed: int) -> torch.Tensor:
     return scores
 
 
-def _attn_implementation(model: Any) -> str | dict:
+def attn_implementation(model: Any) -> str | dict:
     impl = getattr(model.config, "_attn_implementation", None)
     return impl if impl is not None else "sdpa"

@@ -34,6 +34,7 @@ import torch
 from kvquant.config import ROTATIONS, SMOOTHINGS
 from kvquant.formats import round_to_dtype
 from kvquant.kernels import ops
+from kvquant.query_scales import QUERY_EXPONENT_PLAIN, QUERY_EXPONENT_ROTATED
 
 # smoothing "auto": a head's channels are divided by their spread where the largest spread is at least
 # this many times the median (fitted on at least AUTO_MIN_TOKENS tokens). Key channel spreads, largest /
@@ -59,10 +60,14 @@ class KeyTransform:
         rotation: ``none`` or ``hadamard``.
         smoothing: ``none``, ``mean`` (subtract each channel's mean), ``channel`` (and divide by
             its standard deviation) or ``auto`` (``channel`` for heads whose channel spreads differ by
-            :data:`AUTO_SPREAD_RATIO` or more, ``mean`` for the rest).
+            :data:`AUTO_SPREAD_RATIO` or more, ``mean`` for the rest) or ``query`` (divide by
+            ``std^(1-a) * (mean(query_rms) / query_rms)^a``, ``a`` from
+            :mod:`kvquant.query_scales`; ``auto`` when ``query_rms`` is None).
         scale_dtype: dtype the statistics are kept in (the store's scale dtype).
         key_map: ``[H, D, D]`` (fp32, invertible) applied to each KV head's smoothed keys before the
             rotation (``kvquant calibrate --key-map``); None: the identity. Shared, never modified.
+        query_rms: ``[H, D]`` root mean square of each query channel, each KV head's query heads
+            pooled (:func:`kvquant.query_scales.query_channel_rms`); read by ``smoothing: query``.
 
     ``stats`` is ``(mean[B, H, 1, D], std[B, H, 1, D] | None)`` once fitted (None before).
     """
@@ -73,6 +78,7 @@ class KeyTransform:
         smoothing: str = "none",
         scale_dtype=torch.float16,
         key_map: torch.Tensor | None = None,
+        query_rms: torch.Tensor | None = None,
     ):
         if rotation not in ROTATIONS:
             raise ValueError(f"rotation: unknown {rotation!r}; allowed: {', '.join(ROTATIONS)}")
@@ -82,6 +88,7 @@ class KeyTransform:
         self.smoothing = smoothing
         self.scale_dtype = scale_dtype
         self.key_map = key_map
+        self.query_rms = query_rms
         self._maps: dict = {}  # (kind, device, query heads) -> the map as each step uses it
         self.stats = None
 
@@ -147,12 +154,24 @@ class KeyTransform:
         std = ((((x - mean) ** 2) * w).sum(2, keepdim=True) / count.clamp_min(1)).sqrt()
         floor = std.mean(-1, keepdim=True) * 1e-2 + torch.finfo(sdt).tiny  # no channel collapses
         std = torch.where(count > 1, torch.maximum(std, floor), torch.ones_like(std))
-        if self.smoothing == "auto":  # divide only the heads whose channels' spreads differ widely
+        if self.smoothing == "query" and self.query_rms is not None:
+            # the keys' spread where enough tokens show it, the queries' part alone where not
+            std = self._query_weighted(torch.where(count >= AUTO_MIN_TOKENS, std, torch.ones_like(std)))
+        elif self.smoothing in ("auto", "query"):  # divide only the heads whose spreads differ widely
             ratio = std.amax(-1, keepdim=True) / std.median(-1, keepdim=True).values  # [B, H, 1, 1]
             wide = (ratio >= AUTO_SPREAD_RATIO) & (count >= AUTO_MIN_TOKENS)
             # elsewhere 1, exactly as "mean" (the bytes stay those of "channel": the planner's count)
             std = torch.where(wide, std, torch.ones_like(std))
         self.stats = (mean.to(sdt), round_to_dtype(std, sdt, +1))
+
+    def _query_weighted(self, std: torch.Tensor) -> torch.Tensor:
+        """``std[B, H, 1, D]`` -> the divisor of ``smoothing: query``: ``std^(1-a) * (mean(rms) /
+        rms)^a`` (``rms``: each query channel's size, floored at 1% of the head's mean)."""
+        a = QUERY_EXPONENT_ROTATED if self.rotated else QUERY_EXPONENT_PLAIN
+        rms = self.query_rms.to(std.device, torch.float32)[None, :, None, :]  # [1, H, 1, D]
+        mean = rms.mean(-1, keepdim=True)
+        rms = torch.maximum(rms, mean * 1e-2)
+        return std ** (1 - a) * (mean / rms) ** a
 
     # ------------------------------------------------------------------------------------ stored space
 

@@ -25,6 +25,7 @@ from kvquant.config import KVQuantConfig
 from kvquant.engine_scales import is_scales_checkpoint, read_scales
 from kvquant.kernels import ops
 from kvquant.layer_kinds import EMPTY, STATE, SUPPORTED
+from kvquant.query_scales import query_channel_rms
 from kvquant.retrieval_heads import retrieval_scores, top_layers
 
 _HYBRID_REASON = (
@@ -132,6 +133,8 @@ class KVQuantCache(Cache):
                     f"(allowed: {-num_layers} .. {num_layers - 1})"
                 )
         self.retrieval_layers = self._find_retrieval_layers(config, num_layers)
+        layer_configs = [self.quant_config.for_layer(i, num_layers) for i in range(num_layers)]
+        query_rms = self._find_query_rms(config, layer_configs)
         layers = []
         for i, (layer_type, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
             if layer_type not in SUPPORTED:
@@ -149,11 +152,12 @@ class KVQuantCache(Cache):
             static = None if scales is None else (scales["keys"][i], scales["values"][i])
             layers.append(
                 make_layer(
-                    self.quant_config.for_layer(i, num_layers),
+                    layer_configs[i],
                     sliding_window=kwargs.get("sliding_window"),
                     static_scales=static,
                     initial_capacity=initial_capacity,
                     layer_idx=i,
+                    query_rms=query_rms.get(i) if layer_configs[i].smoothing == "query" else None,
                 )
             )
         super().__init__(layers=layers)
@@ -185,6 +189,26 @@ class KVQuantCache(Cache):
         found = [i for i in top_layers(scores, count) if scores[i].max() > 0]
         self.quant_config = self.quant_config.with_retrieval_layers(found, num_layers)
         return found
+
+    def _find_query_rms(self, model: Any, layer_configs: list[KVQuantConfig]) -> dict[int, torch.Tensor]:
+        """The query channel sizes ``{layer: [H_kv, D]}`` that ``smoothing: query`` weighs keys by,
+        from one probe of ``model`` (:mod:`kvquant.query_scales`); where no layer asks for them, none;
+        where they cannot be had, a warning, and those layers smooth as ``auto``."""
+        if self._latent or not any(c.smoothing == "query" for c in layer_configs):
+            return {}
+        if not isinstance(model, torch.nn.Module):
+            why = "this cache got only the model's config. Pass the model: KVQuantCache(model, ...)"
+        else:
+            try:
+                return query_channel_rms(model)
+            except (ValueError, RuntimeError, TypeError, AttributeError, KeyError) as err:
+                why = f"probing {type(model).__name__} failed ({err})"
+        warnings.warn(
+            f"smoothing: {self.quant_config.name!r} weighs key channels by the model's query sizes, found "
+            f"by probing the model; {why}; its layers smooth as 'auto'",
+            stacklevel=3,
+        )
+        return {}
 
     def uses_views(self) -> bool:
         """Whether ``update`` hands out store views (the ``kvquant`` attention is active)."""

@@ -55,6 +55,8 @@ class QuantizedKVLayer(CacheLayerMixin):
         initial_capacity: tokens the main store is first allocated for (it grows by doubling).
         key_map: optional ``[H_kv, D, D]`` map of the keys before they are rotated and stored
             (:mod:`kvquant.key_map`; shared, never modified).
+        query_rms: optional ``[H_kv, D]`` query channel sizes for ``smoothing: query``
+            (:func:`kvquant.query_scales.query_channel_rms`; shared, never modified).
 
     Example:
         >>> layer = QuantizedKVLayer(KVQuantConfig.resolve("int4"))
@@ -75,11 +77,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         static_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         initial_capacity: int = 256,
         key_map: torch.Tensor | None = None,
+        query_rms: torch.Tensor | None = None,
     ):
         super().__init__()
         self.config = config
         self.static_scales = static_scales
         self.key_map = key_map
+        self.query_rms = query_rms
         self.initial_capacity = max(1, initial_capacity)
         self.record_past = False
         self.return_view = False  # set by KVQuantCache when the model runs the `kvquant` attention
@@ -97,7 +101,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.recent: QuantizedSegment | None = None
         self.tail = TailSegment(cfg.residual_length, cfg.tail_block)
         self.sinks = SinkSegment(cfg.sink_tokens) if cfg.sink_tokens else None
-        self.transform = KeyTransform(cfg.rotation, cfg.smoothing, cfg.torch_scale_dtype, self.key_map)
+        self.transform = KeyTransform(
+            cfg.rotation, cfg.smoothing, cfg.torch_scale_dtype, self.key_map, self.query_rms
+        )
         self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
         self.pads_max = 0
         self.plans: dict = {}  # the kvquant attention's decode plan for these tiers (see KVView.plans)
@@ -110,6 +116,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             raise ValueError(
                 f"key_map: this layer's map is {tuple(self.key_map.shape)}; its keys need "
                 f"[kv_heads, head_dim, head_dim] = [{h}, {d}, {d}]"
+            )
+        if self.query_rms is not None and tuple(self.query_rms.shape) != (h, d):
+            raise ValueError(
+                f"query_rms: this layer's query sizes are {tuple(self.query_rms.shape)}; its keys need "
+                f"[kv_heads, head_dim] = [{h}, {d}]"
             )
         self.device, self.dtype, self.head_dim, self.kv_heads = key_states.device, key_states.dtype, d, h
         self.value_head_dim = dv

@@ -309,8 +309,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return _calibrate_retrieval_count(args)
     if args.retrieval:
         return _calibrate_retrieval(args)
-    if args.key_map:
+    if args.key_map:  # (smoothing: query becomes mean: the map weighs by the queries itself)
         cfg = check_cache("--cache", args.cache)
+        if cfg.smoothing == "query":
+            cfg = dataclasses.replace(cfg, smoothing="mean")
     else:
         cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
     check_output_file("--out", args.out)
@@ -698,7 +700,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         from kvquant.key_map import load_key_map
         from kvquant.tools.tune import DEFAULT_BASE
 
-        base = flagged("--key-map", dataclasses.replace, base or DEFAULT_BASE, key_map=args.key_map)
+        base = flagged("--key-map", (base or DEFAULT_BASE).with_key_map, args.key_map)
         flagged("--key-map", load_key_map, args.key_map)  # (the base's other files: checked above)
     flagged("--base", check_base, base)
     check_output_file("--out", args.out)

@@ -1,0 +1,90 @@
+"""Query channel scales, from one probe of the model: what ``smoothing: query`` weighs key channels by.
+
+A score's error is ``q . e`` for a key error ``e``, so a key channel matters as much as the queries
+that read it. Dividing key channel ``c`` by ``d_c`` before quantizing (and folding ``d_c`` into the
+query, so every score stays exact) turns the expected squared score error of a rotated head into
+``(sum_c sk_c^2 / d_c^2) * (sum_c sq_c^2 d_c^2)`` (``sk``: the key channel's spread, ``sq``: the
+query channel's root mean square; the rotation spreads each key's error evenly over its channels).
+By Cauchy-Schwarz that is least at ``d_c = sqrt(sk_c / sq_c)``: the exponent 1/2 of
+:data:`QUERY_EXPONENT_ROTATED`. Without a rotation each 64-channel group's range is set by its
+largest channel, which argues for ``d_c = sk_c`` (``smoothing: channel``); the queries still pull,
+and :data:`QUERY_EXPONENT_PLAIN` (1/4) keeps part of their pull. This is the diagonal of a key map
+(:mod:`kvquant.key_map`), which needs calibration text; the diagonal needs only each query channel's
+size, which the model shows on any input: the probe is the random-token sequence of
+:mod:`kvquant.retrieval_heads` (``2 * 128 + 1`` tokens, one forward pass, kept per model object).
+
+Measured with the keys alone quantized (int4 per token and 64 channels, attention KL over a
+1,024-token WikiText-2 prefix, scales from the random probe; README "Query-weighted key smoothing"):
+Gemma 3 270M 0.0249 -> 0.0074 rotated (``mean`` -> ``query``), 0.0518 -> 0.0130 plain
+(``channel`` -> ``query``); SmolLM2 0.0128 -> 0.0098 and 0.0168 -> 0.0148.
+
+Example:
+    >>> rms = query_channel_rms(model)        # {layer: [kv_heads, head_dim]} fp32
+    >>> rms[0].shape
+    torch.Size([3, 64])
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from kvquant.retrieval_heads import PROBE_TOKENS, attn_implementation, probe_ids
+
+QUERY_EXPONENT_ROTATED = 0.5  # d_c = sk_c^(1-a) / sq_c^a after a Hadamard rotation (the optimum above)
+QUERY_EXPONENT_PLAIN = 0.25  # without one (measured: 0.25 beat 0 and 0.5 on both models)
+_RECORDER = "kvquant_query_probe"
+_RMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(tokens, seed): {layer: rms}}
+
+
+class _QueryRecorder:
+    """Attention function that records each layer's query channel RMS, then attends with sdpa."""
+
+    def __init__(self, first: int):
+        self.first = first  # positions before it (the bos) are left out
+        self.rms: dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        b, hq, n, d = query.shape
+        hk = key.shape[1]
+        q = query[:, :, self.first :].float()  # [B, Hq, n', D]
+        power = q.pow(2).mean((0, 2)).view(hk, hq // hk, d).mean(1)  # [Hk, D]
+        self.rms[int(module.layer_idx)] = power.sqrt().cpu()
+        kwargs.pop("softcap", None)  # (sdpa has none; the probe only needs the queries)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@torch.no_grad()
+def query_channel_rms(model: Any, *, tokens: int = PROBE_TOKENS, seed: int = 0) -> dict[int, torch.Tensor]:
+    """Root mean square of each query channel as the attention sees it (after any norm and RoPE),
+    per attention layer: ``{layer: [kv_heads, head_dim]}`` fp32, each KV head's query heads pooled.
+
+    One forward pass over the random-token probe of :func:`kvquant.retrieval_heads.probe_ids`; kept per
+    model object. ``ValueError`` when no attention layer reported (a model whose attention does not
+    go through transformers' attention functions)."""
+    memo = _RMS.setdefault(model, {})
+    if (tokens, seed) not in memo:
+        memo[(tokens, seed)] = _probe(model, tokens, seed)
+    return {i: t.clone() for i, t in memo[(tokens, seed)].items()}
+
+
+def _probe(model: Any, tokens: int, seed: int) -> dict[int, torch.Tensor]:
+    from transformers import AttentionInterface
+
+    ids, first = probe_ids(model, tokens, seed)
+    recorder = _QueryRecorder(first)
+    AttentionInterface.register(_RECORDER, recorder)
+    previous = attn_implementation(model)
+    model.set_attn_implementation(_RECORDER)
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    if not recorder.rms:
+        arch = getattr(model.config, "model_type", type(model).__name__)
+        raise ValueError(f"the query probe saw no attention layer of {arch}")
+    return recorder.rms

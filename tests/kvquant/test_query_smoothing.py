@@ -1,0 +1,145 @@
+"""smoothing: query — the query probe, the divisor it gives, exact attention, and that it lowers the
+score error it targets."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvquant import KVQuantCache, KVQuantConfig
+from kvquant.cache.layer import make_layer
+from kvquant.models import tiny_model
+from kvquant.query_scales import QUERY_EXPONENT_PLAIN, QUERY_EXPONENT_ROTATED, query_channel_rms
+from kvquant.retrieval_heads import probe_ids
+from kvquant.transforms import AUTO_MIN_TOKENS, KeyTransform
+
+
+def test_probe_measures_each_layers_queries_and_leaves_the_attention_as_it_was():
+    model = tiny_model("llama")
+    impl = model.config._attn_implementation
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    rms = query_channel_rms(model, tokens=16)
+    cfg = model.config
+    hk, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    assert sorted(rms) == list(range(cfg.num_hidden_layers))
+    assert all(tuple(r.shape) == (hk, d) for r in rms.values())
+    assert model.config._attn_implementation == impl
+    query_channel_rms(model, tokens=16)
+    assert len(calls) == 1  # kept per model
+
+    seen = {}  # the queries themselves, through an attention function of this test's own
+
+    def capture(module, q, k, v, mask, **kw):
+        seen[module.layer_idx] = q.detach().clone()
+        return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+    AttentionInterface.register("test_query_capture", capture)
+    ids, first = probe_ids(model, 16)
+    model.set_attn_implementation("test_query_capture")
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        model.set_attn_implementation(impl)
+    for layer, q in seen.items():
+        hq = q.shape[1]
+        expected = q[0, :, first:].pow(2).mean(1).view(hk, hq // hk, d).mean(1).sqrt()  # [Hk, D]
+        torch.testing.assert_close(rms[layer], expected)
+
+
+def _keys(gen, n=64, h=2, d=64):
+    spread = torch.exp(torch.randn(h, d, generator=gen))  # [H, D] lognormal channel spreads
+    return torch.randn(1, h, n, d, generator=gen) * spread[None, :, None, :] + 3.0 * torch.randn(
+        h, 1, d, generator=gen
+    )
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "none"])
+def test_the_divisor_is_the_keys_spread_and_the_queries_size(rotation):
+    gen = torch.Generator().manual_seed(0)
+    k = _keys(gen)
+    rms = torch.exp(torch.randn(2, 64, generator=gen))  # [H, D]
+    t = KeyTransform(rotation, "query", torch.float32, query_rms=rms)
+    t.fit(k)
+    a = QUERY_EXPONENT_ROTATED if rotation == "hadamard" else QUERY_EXPONENT_PLAIN
+    std = k[0].std(1, unbiased=False)  # [H, D]
+    expected = std ** (1 - a) * (rms.mean(-1, keepdim=True) / rms) ** a
+    torch.testing.assert_close(t.stats[1][0, :, 0], expected, rtol=1e-4, atol=0)
+    few = KeyTransform(rotation, "query", torch.float32, query_rms=rms)
+    few.fit(k[:, :, : AUTO_MIN_TOKENS - 1])  # too few tokens to trust the spread: the queries' part only
+    torch.testing.assert_close(few.stats[1][0, :, 0], (rms.mean(-1, keepdim=True) / rms) ** a)
+    # attention stays exact: the folded query scores the stored keys as the query scores k - mean
+    q = torch.randn(1, 4, 64, generator=gen)  # [B, Hq, D], 2 query heads per KV head
+    ks = t.apply(k, torch.zeros_like(k))[0]  # [B, H, n, D]
+    folded = t.fold_query(q)
+    mean = t.stats[0].float().repeat_interleave(2, 1)  # [B, Hq, 1, D]
+    want = ((k.repeat_interleave(2, 1) - mean) * q[:, :, None]).sum(-1)
+    got = (ks.repeat_interleave(2, 1) * folded[:, :, None]).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_without_query_sizes_it_smooths_as_auto():
+    gen = torch.Generator().manual_seed(1)
+    k = _keys(gen)
+    t, auto = (
+        KeyTransform("hadamard", "query", torch.float16),
+        KeyTransform("hadamard", "auto", torch.float16),
+    )
+    t.fit(k)
+    auto.fit(k)
+    assert torch.equal(t.stats[1], auto.stats[1])
+
+
+def _score_error(cfg: KVQuantConfig, k: torch.Tensor, q: torch.Tensor, rms: torch.Tensor) -> float:
+    """Mean squared error of the scores ``q . k`` over keys stored by a layer of ``cfg``."""
+    layer = make_layer(cfg, layer_idx=0, query_rms=rms if cfg.smoothing == "query" else None)
+    layer.lazy_initialization(k, k)
+    layer.append(k, k)
+    kq = layer.read(0, k.shape[2])[0].float()  # [B, H, n, D], the keys back
+    e = kq - k  # [B, H, n, D]
+    return (torch.einsum("bhnd,bhqd->bhqn", e, q) ** 2).mean().item()
+
+
+@pytest.mark.parametrize(("rotation", "other"), [("hadamard", "mean"), ("none", "channel")])
+def test_query_smoothing_lowers_the_score_error_where_queries_and_keys_differ(rotation, other):
+    """Keys with lognormal channel spreads (some channels 10x others, as QK-norm gains give) read by
+    queries whose channel sizes are lognormal too and independent of the keys': weighing the key
+    channels by the queries lowers the error of the scores ``q . k`` against the preset recipes'
+    smoothing (``mean`` after a rotation; ``channel`` without one)."""
+    gen = torch.Generator().manual_seed(2)
+    h, d = 2, 64
+    k = _keys(gen, n=256, h=h, d=d)
+    rms = torch.exp(torch.randn(h, d, generator=gen))  # [H, D]
+    q = torch.randn(1, h, 128, d, generator=gen) * rms[None, :, None, :]  # [B, H, nq, D]
+    base = KVQuantConfig(key_format="int4", value_format="int4", key_group_size=64, rotation=rotation)
+    err = {s: _score_error(dataclasses.replace(base, smoothing=s), k, q, rms) for s in ("query", other)}
+    assert err["query"] < 0.7 * err[other], err
+
+
+def test_the_cache_probes_the_model_and_warns_with_only_its_config():
+    model = tiny_model("llama")
+    cfg = KVQuantConfig(key_format="int4", value_format="int4", rotation="hadamard", smoothing="query")
+    cache = KVQuantCache(model, cfg)
+    rms = query_channel_rms(model)
+    assert all(torch.equal(layer.query_rms, rms[i]) for i, layer in enumerate(cache.layers))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bare = KVQuantCache(model.config, cfg)
+    assert any("smoothing" in str(w.message) and "auto" in str(w.message) for w in caught)
+    assert all(layer.query_rms is None for layer in bare.layers)
+    with torch.no_grad():  # it generates, and a layer that asks for no smoothing gets no sizes
+        ids = torch.randint(0, 100, (1, 40))
+        model(ids, cache=cache)
+        mixed = KVQuantCache(model, dataclasses.replace(cfg, layer_overrides={0: {"smoothing": "mean"}}))
+    assert mixed.layers[0].query_rms is None and mixed.layers[1].query_rms is not None
+
+
+def test_a_key_map_and_query_smoothing_do_not_mix():
+    with pytest.raises(ValueError, match="smoothing"):
+        KVQuantConfig(key_format="nuq4", value_format="nuq4", smoothing="query", key_map="smollm2")
+    cfg = KVQuantConfig(key_format="nuq4", value_format="nuq4", smoothing="query").with_key_map("smollm2")
+    assert cfg.smoothing == "mean" and cfg.key_map == "smollm2"
