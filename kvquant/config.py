@@ -340,7 +340,9 @@ class KVQuantConfig:
 
     @classmethod
     def from_preset(cls, name: str) -> KVQuantConfig:
-        path = _presets_dir() / f"{name}.yaml"
+        """A shipped preset by name (an old name in :data:`PRESET_ALIASES` loads its preset, labelled
+        with the name it was asked by)."""
+        path = _presets_dir() / f"{PRESET_ALIASES.get(name, name)}.yaml"
         if not path.is_file():
             raise ValueError(f"preset: unknown preset {name!r}; allowed: {', '.join(preset_names())}")
         data = _read_yaml(Path(str(path)))
@@ -356,7 +358,7 @@ class KVQuantConfig:
             return spec
         if isinstance(spec, dict):
             return cls.from_dict(spec)
-        if isinstance(spec, str) and spec in preset_names():
+        if isinstance(spec, str) and is_preset(spec):
             return cls.from_preset(spec)
         if isinstance(spec, (str, Path)):
             return cls.from_yaml(spec)
@@ -388,6 +390,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _presets_dir():
     return importlib.resources.files("kvquant.configs") / "presets"
+
+
+# Old preset names that still load: name -> the preset it now is. Not listed by preset_names().
+PRESET_ALIASES = {
+    "int4-rot": "int4",  # one recipe since 2026-12-07, when int4 took the rotation (README "Presets")
+}
+
+
+def is_preset(name: str) -> bool:
+    """Whether ``name`` is a shipped preset or an alias of one."""
+    return name in PRESET_ALIASES or name in preset_names()
 
 
 def preset_names() -> list[str]:

@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvquant.config import KVQuantConfig, preset_names
+from kvquant.config import KVQuantConfig, is_preset, preset_names
 from kvquant.memory import layer_groups, model_cache_bytes
 
 DTYPE_BYTES: dict[str, float] = {
@@ -399,7 +399,7 @@ def plan(
     for p in names:
         if isinstance(p, KVQuantConfig):
             configs.append((p.name, p))
-        elif p not in preset_names():
+        elif not is_preset(p):
             raise PlanError(f"presets: unknown preset {p!r}; allowed: {', '.join(preset_names())}")
         else:
             configs.append((p, KVQuantConfig.from_preset(p)))

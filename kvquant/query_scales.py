@@ -13,10 +13,7 @@ and :data:`QUERY_EXPONENT_PLAIN` (1/4) keeps part of their pull. This is the dia
 size, which the model shows on any input: the probe is the random-token sequence of
 :mod:`kvquant.retrieval_heads` (``2 * 128 + 1`` tokens, one forward pass, kept per model object).
 
-Measured with the keys alone quantized (int4 per token and 64 channels, attention KL over a
-1,024-token WikiText-2 prefix, scales from the random probe; README "Query-weighted key smoothing"):
-Gemma 3 270M 0.0249 -> 0.0074 rotated (``mean`` -> ``query``), 0.0518 -> 0.0130 plain
-(``channel`` -> ``query``); SmolLM2 0.0128 -> 0.0098 and 0.0168 -> 0.0148.
+What it buys, measured on real models, is in the README ("Query-weighted key smoothing").
 
 Example:
     >>> rms = query_channel_rms(model)        # {layer: [kv_heads, head_dim]} fp32

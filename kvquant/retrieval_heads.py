@@ -60,9 +60,13 @@ def top_layers(scores: torch.Tensor, count: int) -> list[int]:
 
 def probe_ids(model: Any, tokens: int = PROBE_TOKENS, seed: int = 0) -> tuple[torch.Tensor, int]:
     """The probe's input ``[bos] + s + s`` as ``ids [1, T]`` on the model's device, and the position
-    of ``s[0]`` (``s``: ``tokens`` random ids from the middle of the vocabulary, clear of special ids)."""
+    of ``s[0]`` (``s``: ``tokens`` random ids from the middle of the vocabulary, clear of special ids;
+    fewer where the model has fewer positions)."""
     config = model.config.get_text_config(decoder=True)
     vocab = config.vocab_size
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 4:
+        tokens = min(tokens, (positions - 1) // 2)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     s = torch.randint(vocab // 10, vocab // 2, (tokens,), generator=gen)  # [n]
@@ -78,6 +82,7 @@ def _probe(model: Any, tokens: int, seed: int) -> torch.Tensor:
     config = model.config.get_text_config(decoder=True)
     num_layers = config.num_hidden_layers
     ids, first = probe_ids(model, tokens, seed)  # first: position of s[0]
+    tokens = (ids.shape[1] - first) // 2  # (fewer where the model has fewer positions)
     previous = attn_implementation(model)
     model.set_attn_implementation("eager")
     try:

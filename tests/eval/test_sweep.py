@@ -355,7 +355,7 @@ def test_gpu_sweep_is_refused_without_cuda():
 def test_default_sweep_file():
     cfg = load_sweep_config("default")
     assert cfg.name == "default" and cfg.models == ["smollm2"] and cfg.grid.batches == [1]
-    assert cfg.caches[:8] == ["dynamic", "int8", "fp8", "k8v4", "int4", "int4-rot", "kivi4", "kivi2"]
+    assert cfg.caches[:7] == ["dynamic", "int8", "fp8", "k8v4", "int4", "kivi4", "kivi2"]
     assert "peers" in cfg.caches and cfg.corpus.fallback == "embedded"
     path = _configs_dir() / "sweep_default.yaml"
     assert load_sweep_config(str(path)) == cfg  # by path or by name

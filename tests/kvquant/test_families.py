@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import kvquant
 from kvquant import KVQuantCache
 
-PRESETS = ("int8", "int4", "nuq4", "tcq2-recent", "k3v2-recent", "int4-rot")
+PRESETS = ("int8", "int4", "nuq4", "tcq2-recent", "k3v2-recent")
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -253,3 +253,24 @@ def test_t5_cross_attention_cache_is_written_once_and_read_every_step(attn):
     assert cross.get_seq_length() == 40 and cross.layers[0].store_end > 0  # written once, quantized
     rel = ((logits[0] - logits_ref[0]).norm() / logits_ref[0].norm()).item()
     assert rel < 0.2, rel
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek_v3"])  # (latent: no per-head keys)
+def test_the_query_probe_reads_every_family_and_the_cache_uses_it(family, greedy):
+    """``smoothing: query`` (``int4``) probes the model for its query sizes: one ``[kv_heads, head_dim]``
+    per attention layer, positive, and the attention left as it was; the cache then generates."""
+    from kvquant.query_scales import query_channel_rms
+
+    model = _model(family)
+    model.set_attn_implementation("eager")
+    rms = query_channel_rms(model)
+    cache = KVQuantCache(model, "int4")
+    layers = cache._kv_layers()
+    assert model.config._attn_implementation == "eager"
+    assert layers and all(layer.query_rms is not None for layer in layers)
+    for layer in layers:
+        assert bool((layer.query_rms > 0).all()) and torch.isfinite(layer.query_rms).all()
+    assert len(rms) == len(layers)
+    ids, mask = _prompt()
+    seq, logits = greedy(model, cache, ids, 3, mask)
+    assert torch.isfinite(logits).all() and any(layer.store_end > 0 for layer in layers)

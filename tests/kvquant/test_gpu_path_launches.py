@@ -92,7 +92,7 @@ def cuda_path(monkeypatch):
 
 # case: (torch ops issued from kvquant's code, Triton launches) per layer and decode step, at most;
 # batch 2 with a left-padded row (its mask and starts cost a few small ops per layer). When written:
-# int4 25.5 ops, 5 launches (quantize K and V, one split launch per segment: store and fp tokens, one
+# int4 without rotation 25.5 ops, 5 launches (quantize K and V, one split launch per segment: store and fp tokens, one
 # merge); a recent window adds a segment and the transcode of the token leaving it (the dequantize
 # kernel, then the quantize kernel; 36.5 ops before the dequantize kernel, 30.5 after); a KIVI store writes a block of keys every 32 steps (none here); the
 # rotation costs one torch matmul each way. Before the deferred flag and the segment launches:
@@ -101,10 +101,11 @@ def cuda_path(monkeypatch):
 # same launch structure as int4's and their own kernel tests.)
 _RECENT = {**KVQuantConfig.resolve("k3v2-recent").to_dict(), "name": None, "key_format": "int3",
            "value_format": "int2", "recent_key_format": "int8", "recent_value_format": "int8", "recent_length": 16}  # fmt: skip
+_INT4 = {**KVQuantConfig.resolve("int4").to_dict(), "name": None}
 CASES = {
-    "int4": ("int4", 24, (27, 5)),
+    "int4": ("int4", 24, (32, 5)),  # rotated, and the keys' divisor folded into the query
     "fp8": ("fp8", 24, (24, 5)),
-    "int4-rot": ("int4-rot", 24, (30, 5)),
+    "int4-plain": ({**_INT4, "rotation": "none", "smoothing": "channel"}, 24, (27, 5)),
     "kivi4": ("kivi4", 150, (17, 3)),  # (a prompt long enough for a block of per-channel keys)
     "int3-int2-recent-int8": (_RECENT, 40, (32, 10)),
 }

@@ -51,6 +51,14 @@ def test_probe_measures_each_layers_queries_and_leaves_the_attention_as_it_was()
         torch.testing.assert_close(rms[layer], expected)
 
 
+def test_the_probe_fits_the_models_positions():
+    ids, first = probe_ids(tiny_model("llama", max_position_embeddings=64), 128)
+    assert ids.shape[1] <= 64 and (ids.shape[1] - first) % 2 == 0
+    assert torch.equal(
+        ids[0, first : first + (ids.shape[1] - first) // 2], ids[0, first + (ids.shape[1] - first) // 2 :]
+    )
+
+
 def _keys(gen, n=64, h=2, d=64):
     spread = torch.exp(torch.randn(h, d, generator=gen))  # [H, D] lognormal channel spreads
     return torch.randn(1, h, n, d, generator=gen) * spread[None, :, None, :] + 3.0 * torch.randn(
