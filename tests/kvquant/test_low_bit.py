@@ -362,3 +362,19 @@ PINNED = {  # what the low-bit presets are; a change here is a change of a measu
 def test_low_bit_presets_are_pinned(name):
     expected = KVQuantConfig(**{**_RECIPE, **PINNED[name]}, name=name)  # an entry may override the recipe
     assert KVQuantConfig.from_preset(name) == expected
+
+
+def test_an_old_preset_name_loads_its_preset():
+    """``int4-rot`` became ``int4``'s recipe (2026-12-07): the name still loads it, labelled as asked,
+    everywhere a preset name is taken, and is not listed twice."""
+    from kvquant.config import PRESET_ALIASES, preset_names
+    from kvquant.planning import plan
+
+    assert PRESET_ALIASES == {"int4-rot": "int4"} and "int4-rot" not in preset_names()
+    old, new = KVQuantConfig.resolve("int4-rot"), KVQuantConfig.resolve("int4")
+    assert old.name == "int4-rot" and old.to_dict() | {"name": "int4"} == new.to_dict()
+    rows = plan(tiny_model("llama").config, memory_bytes=2**30, context=256, presets=["int4-rot", "int4"])
+    by_name = {r["config"]: r for r in rows}
+    assert by_name["int4-rot"]["bytes_per_token"] == by_name["int4"]["bytes_per_token"]
+    with pytest.raises(ValueError, match="unknown preset 'int4-rotated'"):
+        KVQuantConfig.from_preset("int4-rotated")
