@@ -72,12 +72,14 @@ class KVQuantConfig:
         smoothing: keys only: ``none``, ``mean`` (subtract each channel's mean before quantizing,
             add it back after), ``channel`` (also divide by each channel's standard deviation) or
             ``auto`` (``channel`` for the heads whose channels' spreads differ widely, the largest
-            >= 6x the median, as with QK-norm gains; ``mean`` for the others) or ``query`` (divide
-            each channel by ``spread^(1-a) / query_rms^a``: the key channels the model's queries
-            read most keep the finest steps; ``a`` 1/2 after a rotation, 1/4 without; the query
-            sizes come from one probe of the model, :mod:`kvquant.query_scales`, when the cache is
-            given the model, ``KVQuantCache(model, ...)``; with only its config the cache warns
-            and smooths as ``auto``. Not with a ``key_map``, which weighs by the queries itself).
+            >= 6x the median, as with QK-norm gains; ``mean`` for the others) or ``query`` (as
+            ``auto``, but the heads it divides are divided by ``spread^(1-a) / query_rms^a``: the key
+            channels the model's queries read most keep the finest steps; ``a`` 1/2 after a
+            rotation, 1/4 without; the query sizes come from one probe of the model,
+            :mod:`kvquant.query_scales`, when the cache is given the model, ``KVQuantCache(model,
+            ...)``; with only its config the cache warns and smooths as ``auto``. In the other heads
+            the queries' weighting cost passkey retrieval on SmolLM2, so they take the mean alone.
+            Not with a ``key_map``, which weighs by the queries itself).
             The statistics are per (sequence, head), taken from the first tokens the layer
             quantizes (the prompt; sinks and padding excluded) and kept in the scale dtype; the
             round trip undoes them exactly. Keys carry large per-channel offsets (they cost range

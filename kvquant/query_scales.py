@@ -13,7 +13,10 @@ and :data:`QUERY_EXPONENT_PLAIN` (1/4) keeps part of their pull. This is the dia
 size, which the model shows on any input: the probe is the random-token sequence of
 :mod:`kvquant.retrieval_heads` (``2 * 128 + 1`` tokens, one forward pass, kept per model object).
 
-What it buys, measured on real models, is in the README ("Query-weighted key smoothing").
+The weighting is applied only in heads whose key channels' spreads differ widely (the heads
+``smoothing: auto`` divides, :mod:`kvquant.transforms`): weighing every head by the average query
+cost passkey retrieval on SmolLM2, whose queries that look far back are few. What it buys, measured
+on real models, is in the README ("Query-weighted key smoothing").
 
 Example:
     >>> rms = query_channel_rms(model)        # {layer: [kv_heads, head_dim]} fp32

@@ -60,9 +60,9 @@ class KeyTransform:
         rotation: ``none`` or ``hadamard``.
         smoothing: ``none``, ``mean`` (subtract each channel's mean), ``channel`` (and divide by
             its standard deviation) or ``auto`` (``channel`` for heads whose channel spreads differ by
-            :data:`AUTO_SPREAD_RATIO` or more, ``mean`` for the rest) or ``query`` (divide by
-            ``std^(1-a) * (mean(query_rms) / query_rms)^a``, ``a`` from
-            :mod:`kvquant.query_scales`; ``auto`` when ``query_rms`` is None).
+            :data:`AUTO_SPREAD_RATIO` or more, ``mean`` for the rest) or ``query`` (as ``auto``, but
+            the heads it divides are divided by ``std^(1-a) * (mean(query_rms) / query_rms)^a``, ``a``
+            from :mod:`kvquant.query_scales`; ``auto`` itself when ``query_rms`` is None).
         scale_dtype: dtype the statistics are kept in (the store's scale dtype).
         key_map: ``[H, D, D]`` (fp32, invertible) applied to each KV head's smoothed keys before the
             rotation (``kvquant calibrate --key-map``); None: the identity. Shared, never modified.
@@ -154,12 +154,11 @@ class KeyTransform:
         std = ((((x - mean) ** 2) * w).sum(2, keepdim=True) / count.clamp_min(1)).sqrt()
         floor = std.mean(-1, keepdim=True) * 1e-2 + torch.finfo(sdt).tiny  # no channel collapses
         std = torch.where(count > 1, torch.maximum(std, floor), torch.ones_like(std))
-        if self.smoothing == "query" and self.query_rms is not None:
-            # the keys' spread where enough tokens show it, the queries' part alone where not
-            std = self._query_weighted(torch.where(count >= AUTO_MIN_TOKENS, std, torch.ones_like(std)))
-        elif self.smoothing in ("auto", "query"):  # divide only the heads whose spreads differ widely
+        if self.smoothing in ("auto", "query"):  # divide only the heads whose spreads differ widely
             ratio = std.amax(-1, keepdim=True) / std.median(-1, keepdim=True).values  # [B, H, 1, 1]
             wide = (ratio >= AUTO_SPREAD_RATIO) & (count >= AUTO_MIN_TOKENS)
+            if self.smoothing == "query" and self.query_rms is not None:
+                std = self._query_weighted(std)
             # elsewhere 1, exactly as "mean" (the bytes stay those of "channel": the planner's count)
             std = torch.where(wide, std, torch.ones_like(std))
         self.stats = (mean.to(sdt), round_to_dtype(std, sdt, +1))
