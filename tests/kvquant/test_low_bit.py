@@ -336,17 +336,17 @@ def test_float8_codebook_scales_cost_little_error_and_pay_for_smaller_groups():
 
 # --------------------------------------------------------------------------------------------- presets
 
-_RECIPE = dict(rotation="hadamard", smoothing="mean", sink_tokens=4)  # every codebook preset
+_RECIPE = dict(rotation="hadamard", smoothing="query", sink_tokens=4)  # every codebook preset
 _RECENT = dict(residual_length=4, recent_key_format="nuq4", recent_value_format="nuq4")
 # the 2-bit window recipe: keys scaled per 32 channels, 8-bit scales, a 96-token window
 _RECENT_2BIT = dict(key_group_size=32, scale_dtype="float8_e4m3", recent_length=96, **_RECENT)
 _PROBED = dict(retrieval_layers=4)  # keys and values of 4 probed retrieval layers in nuq4 (<= 3 bits)
 _G64 = dict(key_group_size=64, value_group_size=64)  # a scale per 64 channels (per head on 64-wide heads)
 PINNED = {  # what the low-bit presets are; a change here is a change of a measured recipe
-    # nuq4 / nuq3: key channels weighed by the model's query sizes (smoothing: query; Gemma 3 270M,
-    # README "Query-weighted key smoothing"); nuq4 with scales per 64 channels
-    "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16, smoothing="query", **_G64),
-    "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8, smoothing="query", **_PROBED),
+    # key channels weighed by the model's query sizes in heads with outlier channels (smoothing: query in
+    # _RECIPE; Gemma 3 270M, README "Query-weighted key smoothing"); nuq4 with scales per 64 channels
+    "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16, **_G64),
+    "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8, **_PROBED),
     "k3v2": dict(key_format="nuq3", value_format="nuq2", residual_length=8, **_PROBED),
     "nuq2": dict(key_format="nuq2", value_format="nuq2", residual_length=8, **_PROBED),
     "k3v2-recent": dict(key_format="nuq3", value_format="nuq2", recent_length=64, **_RECENT, **_PROBED),

@@ -113,14 +113,15 @@ def test_fused_attention_on_smollm2(smollm2, wikitext_ids, greedy):
         model.set_attn_implementation("sdpa")
 
 
-def test_query_smoothing_leaves_smollm2s_even_heads_as_mean(smollm2, wikitext_ids):
+@pytest.mark.parametrize("preset", ["nuq3", "tcq2-recent"])
+def test_query_smoothing_leaves_smollm2s_even_heads_as_mean(smollm2, wikitext_ids, preset):
     """No SmolLM2 head has key channels whose spreads differ widely (largest / median <= 4.9 on
-    WikiText-2), so ``smoothing: query`` (``int4``, ``nuq4``, ``nuq3``) takes the mean alone there: the
+    WikiText-2), so ``smoothing: query`` takes the mean alone there: the
     codes of ``mean``, whose passkey retrieval the weighting had cost (nuq3: 16 -> 14 of 18 prompts at
-    4k when every head was weighted)."""
+    4k when every head was weighted). Every rotated preset of <= 4 bits smooths so."""
     model, _ = smollm2
     ids = wikitext_ids[:, :512]
-    cache = KVQuantCache(model, "nuq3")
+    cache = KVQuantCache(model, preset)
     assert all(layer.query_rms is not None for layer in cache.layers)
     with torch.no_grad():
         model(ids, cache=cache)
