@@ -97,7 +97,7 @@ def test_cache_given_only_the_config_warns_and_keeps_every_key_format():
     }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        KVQuantCache(model.config, _tcq2(0))  # nothing to probe for: no warning
+        KVQuantCache(model.config, _tcq2(0, smoothing="mean"))  # nothing to probe for: no warning
 
 
 def test_predicted_bytes_count_the_retrieval_layers():
