@@ -273,7 +273,8 @@ class KVQuantConfig:
 
     def with_key_map(self, key_map: str | None) -> KVQuantConfig:
         """This config with ``key_map`` set; ``smoothing: query`` becomes ``mean`` (a key map weighs
-        the keys by the queries itself: ``kvquant calibrate --key-map`` and ``kvquant tune --key-map``).
+        the keys by the queries itself). ``kvquant calibrate --key-map`` measures with it for the map it
+        writes, ``kvquant tune --key-map`` tunes with it.
 
         Example:
             >>> KVQuantConfig.resolve("nuq4").with_key_map("smollm2").smoothing

@@ -49,8 +49,7 @@ class _QueryRecorder:
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        b, hq, n, d = query.shape
-        hk = key.shape[1]
+        hq, d, hk = query.shape[1], query.shape[3], key.shape[1]
         q = query[:, :, self.first :].float()  # [B, Hq, n', D]
         power = q.pow(2).mean((0, 2)).view(hk, hq // hk, d).mean(1)  # [Hk, D]
         self.rms[int(module.layer_idx)] = power.sqrt().cpu()

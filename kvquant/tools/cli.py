@@ -309,10 +309,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return _calibrate_retrieval_count(args)
     if args.retrieval:
         return _calibrate_retrieval(args)
-    if args.key_map:  # (smoothing: query becomes mean: the map weighs by the queries itself)
-        cfg = check_cache("--cache", args.cache)
-        if cfg.smoothing == "query":
-            cfg = dataclasses.replace(cfg, smoothing="mean")
+    if args.key_map:  # the config the map is for (smoothing: query becomes mean)
+        cfg = check_cache("--cache", args.cache).with_key_map(args.out)
     else:
         cfg = KVQuantConfig(key_format=args.format, value_format=args.format, rotation=args.rotation)
     check_output_file("--out", args.out)
