@@ -39,6 +39,26 @@ _RECORDER = "kvquant_query_probe"
 _RMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(tokens, seed): {layer: rms}}
 
 
+def pooled_query_rms(power: torch.Tensor) -> torch.Tensor:
+    """``[Hk, G, D]`` mean square of each query channel, per query head of each KV head's group ->
+    ``[Hk, D]``: the query size one KV head's keys are weighed by.
+
+    Each query head's channels are first taken as shares of its own total (its scores' error counted
+    relative to its scores' size), then the shares are averaged over the group. Summed over the
+    group's heads, the relative squared score error is least at this pooling (the Cauchy-Schwarz
+    argument above, with each head weighed by its own total). Pooling the raw mean squares instead lets
+    the heads with the largest queries set the weights alone: on Gemma 3 270M (four query heads per
+    KV head) that cost passkey retrieval (README "Query-weighted key smoothing").
+
+    Example:
+        >>> power = torch.tensor([[[100.0, 100.0, 100.0, 100.0], [4.0, 0.0, 0.0, 0.0]]])  # [1, 2, 4]
+        >>> pooled_query_rms(power) ** 2  # head 1 reads channel 0 only, and that counts fully
+        tensor([[0.6250, 0.1250, 0.1250, 0.1250]])
+    """
+    share = power / power.sum(-1, keepdim=True).clamp_min(torch.finfo(power.dtype).tiny)  # [Hk, G, D]
+    return share.mean(1).sqrt()
+
+
 class _QueryRecorder:
     """Attention function that records each layer's query channel RMS, then attends with sdpa."""
 
@@ -51,8 +71,8 @@ class _QueryRecorder:
 
         hq, d, hk = query.shape[1], query.shape[3], key.shape[1]
         q = query[:, :, self.first :].float()  # [B, Hq, n', D]
-        power = q.pow(2).mean((0, 2)).view(hk, hq // hk, d).mean(1)  # [Hk, D]
-        self.rms[int(module.layer_idx)] = power.sqrt().cpu()
+        power = q.pow(2).mean((0, 2)).view(hk, hq // hk, d)  # [Hk, G, D]: each query head's
+        self.rms[int(module.layer_idx)] = pooled_query_rms(power).cpu()
         kwargs.pop("softcap", None)  # (sdpa has none; the probe only needs the queries)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -60,7 +80,8 @@ class _QueryRecorder:
 @torch.no_grad()
 def query_channel_rms(model: Any, *, tokens: int = PROBE_TOKENS, seed: int = 0) -> dict[int, torch.Tensor]:
     """Root mean square of each query channel as the attention sees it (after any norm and RoPE),
-    per attention layer: ``{layer: [kv_heads, head_dim]}`` fp32, each KV head's query heads pooled.
+    per attention layer: ``{layer: [kv_heads, head_dim]}`` fp32, each KV head's query heads pooled by
+    :func:`pooled_query_rms`.
 
     One forward pass over the random-token probe of :func:`kvquant.retrieval_heads.probe_ids`; kept per
     model object. ``ValueError`` when no attention layer reported (a model whose attention does not

@@ -12,7 +12,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvquant import KVQuantCache, KVQuantConfig
 from kvquant.cache.layer import make_layer
 from kvquant.models import tiny_model
-from kvquant.query_scales import QUERY_EXPONENT_PLAIN, QUERY_EXPONENT_ROTATED, query_channel_rms
+from kvquant.query_scales import (
+    QUERY_EXPONENT_PLAIN,
+    QUERY_EXPONENT_ROTATED,
+    pooled_query_rms,
+    query_channel_rms,
+)
 from kvquant.retrieval_heads import probe_ids
 from kvquant.transforms import AUTO_MIN_TOKENS, KeyTransform
 
@@ -47,7 +52,8 @@ def test_probe_measures_each_layers_queries_and_leaves_the_attention_as_it_was()
         model.set_attn_implementation(impl)
     for layer, q in seen.items():
         hq = q.shape[1]
-        expected = q[0, :, first:].pow(2).mean(1).view(hk, hq // hk, d).mean(1).sqrt()  # [Hk, D]
+        power = q[0, :, first:].pow(2).mean(1).view(hk, hq // hk, d)  # [Hk, G, D]
+        expected = (power / power.sum(-1, keepdim=True)).mean(1).sqrt()  # each head's shares, averaged
         torch.testing.assert_close(rms[layer], expected)
 
 
@@ -131,6 +137,31 @@ def test_query_smoothing_lowers_the_score_error_where_queries_and_keys_differ(ro
     base = KVQuantConfig(key_format="int4", value_format="int4", key_group_size=64, rotation=rotation)
     err = {s: _score_error(dataclasses.replace(base, smoothing=s), k, q, rms) for s in ("query", other)}
     assert err["query"] < 0.7 * err[other], err
+
+
+def test_pooling_keeps_the_channels_a_small_query_head_reads():
+    """Two query heads share a KV head: head 0's queries are 10x larger and spread over every
+    channel; head 1 (a retrieval head, say) reads 8 channels. Pooling the raw mean squares lets head 0
+    set the weights alone; :func:`pooled_query_rms` counts each head's channels as shares of its own
+    total, so the worst head's score error, relative to its own scores, falls."""
+    gen = torch.Generator().manual_seed(3)
+    d = 64
+    k = _keys(gen, n=256, h=1, d=d)  # [1, 1, n, D], channel spreads 10x apart
+    size = torch.exp(torch.randn(2, d, generator=gen))  # [G, D]
+    size[0] *= 10
+    size[1, 8:] *= 0.05  # head 1 reads channels 0-7
+    q = torch.randn(2, 128, d, generator=gen) * size[:, None, :]  # [G, nq, D]
+    power = q.pow(2).mean(1)[None]  # [1, G, D]
+    cfg = KVQuantConfig(key_format="int4", value_format="int4", key_group_size=64, rotation="hadamard")
+    cfg = dataclasses.replace(cfg, smoothing="query")
+
+    def worst(rms: torch.Tensor) -> float:
+        errs = [_score_error(cfg, k, q[g][None, None], rms) / power[0, g].sum().item() for g in range(2)]
+        return max(errs)
+
+    raw = worst(power.mean(1).sqrt())
+    pooled = worst(pooled_query_rms(power))
+    assert pooled < 0.7 * raw, (pooled, raw)
 
 
 def test_the_cache_probes_the_model_and_warns_with_only_its_config():
