@@ -71,7 +71,7 @@ class _QueryRecorder:
 
         hq, d, hk = query.shape[1], query.shape[3], key.shape[1]
         q = query[:, :, self.first :].float()  # [B, Hq, n', D]
-        power = q.pow(2).mean((0, 2)).view(hk, hq // hk, d)  # [Hk, G, D]: each query head's
+        power = q.pow(2).mean((0, 2)).view(hk, hq // hk, d)  # [Hk, G, D], per query head
         self.rms[int(module.layer_idx)] = pooled_query_rms(power).cpu()
         kwargs.pop("softcap", None)  # (sdpa has none; the probe only needs the queries)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -146,14 +146,15 @@ def test_pooling_keeps_the_channels_a_small_query_head_reads():
     total, so the worst head's score error, relative to its own scores, falls."""
     gen = torch.Generator().manual_seed(3)
     d = 64
-    k = _keys(gen, n=256, h=1, d=d)  # [1, 1, n, D], channel spreads 10x apart
+    k = _keys(gen, n=256, h=1, d=d)  # [1, 1, n, D], lognormal channel spreads
     size = torch.exp(torch.randn(2, d, generator=gen))  # [G, D]
     size[0] *= 10
     size[1, 8:] *= 0.05  # head 1 reads channels 0-7
     q = torch.randn(2, 128, d, generator=gen) * size[:, None, :]  # [G, nq, D]
     power = q.pow(2).mean(1)[None]  # [1, G, D]
-    cfg = KVQuantConfig(key_format="int4", value_format="int4", key_group_size=64, rotation="hadamard")
-    cfg = dataclasses.replace(cfg, smoothing="query")
+    cfg = KVQuantConfig(
+        key_format="int4", value_format="int4", key_group_size=64, rotation="hadamard", smoothing="query"
+    )
 
     def worst(rms: torch.Tensor) -> float:
         errs = [_score_error(cfg, k, q[g][None, None], rms) / power[0, g].sum().item() for g in range(2)]
