@@ -322,13 +322,14 @@ def cache_nbytes_16bit(cache: Any) -> int:
     and shifts) at 2 bytes per element. Lets runs made in float32 for precision state the memory of
     a bf16 / fp16 deployment."""
     from kvquant import KVQuantCache
-    from kvquant.cache import QuantizedKVLayer
+    from kvquant.cache import KV_LAYERS
 
     if not isinstance(cache, KVQuantCache):
         return _hf_bytes(cache, fp32_size=2)
     total = 0
-    for layer in cache.layers:
-        if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
+    leaves = [leaf for layer in cache.layers if isinstance(layer, KV_LAYERS) for leaf in layer.leaves()]
+    for layer in leaves:
+        if not layer.is_initialized:
             continue
         parts = layer.nbytes()
         shrink = min(2, layer.tail.k.element_size()) / layer.tail.k.element_size()
@@ -357,7 +358,7 @@ def fp16_bytes_per_token(model: Any) -> int:
 def theoretical_bits(spec: CacheSpec, model: Any) -> float | None:
     """Bits per cached K/V element of the format alone (no full-precision sink / residual tokens),
     averaged over keys, values and layers (``None`` for custom caches)."""
-    layers, _, head_dim = kv_geometry(model)
+    layers, kv_heads, head_dim = kv_geometry(model)
     dtype_bits = torch.finfo(model.dtype).bits
     if spec.kind == "custom":
         return None
@@ -371,8 +372,10 @@ def theoretical_bits(spec: CacheSpec, model: Any) -> float | None:
 
     bits = []
     for i in range(layers):
-        c = spec.quant.for_layer(i, layers)
-        bits += [format_bits(c, which, head_dim, dtype_bits // 8) for which in ("key", "value")]
+        layer_cfg = spec.quant.for_layer(i, layers)
+        for h in range(kv_heads):
+            c = layer_cfg.for_head(h)
+            bits += [format_bits(c, which, head_dim, dtype_bits // 8) for which in ("key", "value")]
     return sum(bits) / len(bits)
 
 
@@ -391,7 +394,7 @@ def simulate_quantization(cache: Any) -> Any:
     from transformers import DynamicCache
 
     from kvquant import KVQuantCache
-    from kvquant.cache import QuantizedKVLayer
+    from kvquant.cache import KV_LAYERS, make_layer
 
     original: Callable = cache.update
 
@@ -399,9 +402,15 @@ def simulate_quantization(cache: Any) -> Any:
         k, v = original(key_states, value_states, layer_idx, *args, **kwargs)
         layer = cache.layers[layer_idx]
         if isinstance(cache, KVQuantCache):
-            if not isinstance(layer, QuantizedKVLayer):
+            if not isinstance(layer, KV_LAYERS):
                 return k, v
-            scratch = QuantizedKVLayer(layer.config, static_scales=layer.static_scales, key_map=layer.key_map)
+            scratch = make_layer(  # full attention (every token of the call kept), the same formats
+                layer.config,
+                kv_heads=key_states.shape[1],
+                static_scales=layer.static_scales,
+                key_map=layer.key_map,
+                query_rms=layer.query_rms,
+            )
             scratch.lazy_initialization(key_states, value_states)
             scratch.append(key_states, value_states, (kwargs.get("kwargs") or {}).get("position_ids"))
             return scratch.read_history()

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvquant.cache.head_split import HeadSplitView
 from kvquant.cache.view import KVView
 from kvquant.kernels import ops
 
@@ -227,6 +228,8 @@ def kvquant_attention_forward(
     weight and brings no value) and ``position_bias`` (T5: added to the scores; those steps take
     the dequantizing path, a per-key bias being no part of the fused decode).
     """
+    if isinstance(key, HeadSplitView):
+        return _split_forward(module, query, key, attention_mask, dropout, scaling, **kwargs), None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
     sinks = kwargs.pop("s_aux", None)  # [Hq]
@@ -254,6 +257,40 @@ def kvquant_attention_forward(
         mask = bias if mask is None else mask[..., -n:].float() + bias
     out, lse = dense_attention(query, key, value, mask, scaling, softcap)
     return _with_sinks(out, lse, sinks).transpose(1, 2).to(query.dtype), None
+
+
+def _split_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    split: HeadSplitView,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    **kwargs,
+) -> torch.Tensor:
+    """A layer stored as groups of KV heads (:class:`~kvquant.cache.head_split.HeadSplitView`): each
+    group's query heads attend over that group's view, as any layer's would (fused decode included);
+    the outputs land in one ``[B, q, Hq, D]``. Per-head inputs (``s_aux``, ``position_bias``, a mask
+    with one row per head) are sliced to the group's query heads."""
+    b, hq, q_len, _ = query.shape
+    out = None
+    for kv_heads, view in split.parts:
+        heads = split.query_heads(kv_heads, hq)  # [h * G]
+        part_kwargs = dict(kwargs)
+        for name in ("s_aux", "position_bias"):
+            x = kwargs.get(name)
+            if x is not None and x.dim() >= 1 and x.shape[-1 if name == "s_aux" else 1] == hq:
+                part_kwargs[name] = x.index_select(0 if name == "s_aux" else 1, heads)
+        mask = attention_mask
+        if mask is not None and mask.dim() == 4 and mask.shape[1] == hq > 1:
+            mask = mask.index_select(1, heads)
+        part, _ = kvquant_attention_forward(
+            module, query.index_select(1, heads), view, view, mask, dropout, scaling, **part_kwargs
+        )  # [B, q, h * G, Dv]
+        if out is None:
+            out = part.new_empty(b, q_len, hq, part.shape[-1])
+        out.index_copy_(2, heads, part)
+    return out
 
 
 def register() -> None:

@@ -43,7 +43,11 @@ _OVERRIDABLE = (
     "recent_key_format",
     "recent_value_format",
     "scale_dtype",
+    "heads",
 )
+# what a head override may change: the same, but not the head overrides themselves
+_HEAD_OVERRIDABLE = tuple(f for f in _OVERRIDABLE if f != "heads")
+RETRIEVAL_UNITS = ("layer", "head")
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -119,6 +123,14 @@ class KVQuantConfig:
             then name the layers).
         retrieval_format: the key and value format of the retrieval layers (with channel-axis keys,
             one the channel axis can store, e.g. ``int4``).
+        retrieval_unit: ``layer`` (whole layers, as above) or ``head``: the same number of KV heads
+            as ``retrieval_layers`` layers hold (``retrieval_layers * kv_heads``), the best-scoring
+            KV heads of any layer, so the bytes match and the finer format goes where the copying
+            happens. Resolved into head overrides (``layer_overrides: {i: {heads: ...}}``).
+        heads: ``{kv_head_index: {field: value}}``: overrides of single KV heads, in every layer at the
+            top level, in one layer inside ``layer_overrides`` (merged head by head into the top
+            level). A layer whose heads differ is stored as one sub-layer per group of alike heads
+            (:class:`~kvquant.cache.head_split.HeadSplitLayer`), each attended by the fused decode.
         layer_overrides: ``{layer_index: {field: value}}``.
         name: a label (the preset name, when loaded from one).
     """
@@ -141,6 +153,8 @@ class KVQuantConfig:
     static_scales: str | None = None
     retrieval_layers: int = 0
     retrieval_format: str = "nuq4"
+    retrieval_unit: str = "layer"
+    heads: dict[int, dict[str, Any]] = field(default_factory=dict)
     layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     name: str = "custom"
 
@@ -216,6 +230,19 @@ class KVQuantConfig:
                 self.retrieval_format,
                 "a format the channel axis can store (e.g. int4) when key_axis is 'channel'",
             )
+        if self.retrieval_unit not in RETRIEVAL_UNITS:
+            raise _bad("retrieval_unit", self.retrieval_unit, ", ".join(RETRIEVAL_UNITS))
+        if not isinstance(self.heads, dict):
+            raise _bad("heads", self.heads, "a mapping {kv_head_index: {field: value}}")
+        for h, over in self.heads.items():
+            if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+                raise _bad("heads", h, "KV head indices: integers >= 0")
+            if not isinstance(over, dict):
+                raise _bad(f"heads[{h}]", over, "a mapping {field: value}")
+            unknown = set(over) - set(_HEAD_OVERRIDABLE)
+            if unknown:
+                raise _bad(f"heads[{h}]", sorted(unknown)[0], ", ".join(_HEAD_OVERRIDABLE))
+            dataclasses.replace(self, layer_overrides={}, heads={}, **over)  # validates the values
         if not isinstance(self.layer_overrides, dict):
             raise _bad("layer_overrides", self.layer_overrides, "a mapping {layer_index: {field: value}}")
         for idx, over in self.layer_overrides.items():
@@ -245,12 +272,51 @@ class KVQuantConfig:
         return self.key_format == "none" and self.value_format == "none"
 
     def for_layer(self, layer_idx: int, num_layers: int) -> KVQuantConfig:
-        """The config of one layer: this one with its override (if any) applied, without overrides."""
+        """The config of one layer: this one with its override (if any) applied, without overrides
+        (its ``heads`` merged, head by head and field by field, into the top-level ``heads``)."""
         over: dict[str, Any] = {}
+        heads = {h: dict(f) for h, f in self.heads.items()}
         for idx, fields in self.layer_overrides.items():
             if idx % num_layers == layer_idx and -num_layers <= idx < num_layers:
-                over.update(fields)
-        return dataclasses.replace(self, layer_overrides={}, **over)
+                for h, head_fields in fields.get("heads", {}).items():
+                    heads.setdefault(h, {}).update(head_fields)
+                over.update({k: v for k, v in fields.items() if k != "heads"})
+        return dataclasses.replace(self, layer_overrides={}, heads=heads, **over)
+
+    def for_head(self, head: int) -> KVQuantConfig:
+        """The config of one KV head of a layer config (:meth:`for_layer`): its head override (if any)
+        applied, without head overrides.
+
+        Example:
+            >>> cfg = KVQuantConfig(key_format="nuq2", heads={1: {"key_format": "nuq4"}})
+            >>> cfg.for_head(0).key_format, cfg.for_head(1).key_format
+            ('nuq2', 'nuq4')
+        """
+        if self.layer_overrides:
+            raise ValueError("layer_overrides: for_head takes one layer's config (for_layer first)")
+        return dataclasses.replace(self, heads={}, **self.heads.get(head, {}))
+
+    def head_groups(self, kv_heads: int) -> list[tuple[list[int], KVQuantConfig]]:
+        """One layer's KV heads grouped by their config (:meth:`for_head`), in order of each group's
+        first head: ``[(heads, config), ...]``; one group when no head differs. ``ValueError`` for a
+        head override past ``kv_heads``.
+
+        Example:
+            >>> cfg = KVQuantConfig(key_format="nuq2", heads={1: {"key_format": "nuq4"}})
+            >>> [(h, c.key_format) for h, c in cfg.head_groups(3)]
+            [([0, 2], 'nuq2'), ([1], 'nuq4')]
+        """
+        extra = sorted(h for h in self.heads if h >= kv_heads)
+        if extra:
+            raise ValueError(
+                f"heads: KV head {extra[0]} does not exist; this layer has {kv_heads} (allowed: "
+                f"0 .. {kv_heads - 1})"
+            )
+        groups: dict[str, tuple[list[int], KVQuantConfig]] = {}
+        for h in range(kv_heads):
+            cfg = self.for_head(h)
+            groups.setdefault(repr(cfg), ([], cfg))[0].append(h)
+        return list(groups.values())
 
     def with_retrieval_layers(self, layers: list[int], num_layers: int) -> KVQuantConfig:
         """This config with the keys and values of ``layers`` (of ``num_layers``) in
@@ -269,6 +335,30 @@ class KVQuantConfig:
             for layer in layers:
                 if layer not in pinned:
                     over.setdefault(layer, {})[field_name] = self.retrieval_format
+        return dataclasses.replace(self, layer_overrides=over, retrieval_layers=0)
+
+    def with_retrieval_heads(self, heads: list[tuple[int, int]], num_layers: int) -> KVQuantConfig:
+        """This config with the keys and values of the KV heads ``heads`` (``(layer, kv_head)`` pairs,
+        layers of ``num_layers``) in ``retrieval_format``, added as head overrides to
+        ``layer_overrides`` (a layer or head whose override sets ``key_format`` or ``value_format``
+        keeps that one), and ``retrieval_layers`` 0: resolved.
+
+        Example:
+            >>> cfg = KVQuantConfig(key_format="nuq2", retrieval_layers=1, retrieval_unit="head")
+            >>> cfg.with_retrieval_heads([(18, 2), (17, 1)], 30).layer_overrides[18]
+            {'heads': {2: {'key_format': 'nuq4', 'value_format': 'nuq4'}}}
+        """
+        over = {i: dict(fields) for i, fields in self.layer_overrides.items()}
+        for layer, head in heads:
+            layer_cfg = self.for_layer(layer, num_layers)
+            pinned = {k for i, f in self.layer_overrides.items() if i % num_layers == layer for k in f}
+            pinned |= set(layer_cfg.heads.get(head, {}))
+            fields = {f: self.retrieval_format for f in ("key_format", "value_format") if f not in pinned}
+            if fields:
+                key = next((i for i in over if i % num_layers == layer), layer)
+                layer_heads = {h: dict(f) for h, f in over.get(key, {}).get("heads", {}).items()}
+                layer_heads.setdefault(head, {}).update(fields)
+                over[key] = {**over.get(key, {}), "heads": layer_heads}
         return dataclasses.replace(self, layer_overrides=over, retrieval_layers=0)
 
     def with_key_map(self, key_map: str | None) -> KVQuantConfig:

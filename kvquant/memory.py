@@ -70,7 +70,9 @@ def layer_bytes(
     if cfg.static_scales is not None:  # one calibrated scale per head; only its size matters here
         static = (torch.ones(heads, device="meta"), torch.ones(heads, device="meta"))
     # (a key map adds no bytes to a cache: a model constant, like the weights)
-    layer = make_layer(cfg, sliding_window, static_scales=static, initial_capacity=1, key_map=None)
+    layer = make_layer(
+        cfg, sliding_window, static_scales=static, initial_capacity=1, key_map=None, kv_heads=heads
+    )
     if tokens > 0:
         kv = torch.empty(batch, heads, tokens, head_dim, dtype=_FP_DTYPES[fp_itemsize], device="meta")
         layer.lazy_initialization(kv, kv)

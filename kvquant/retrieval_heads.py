@@ -13,10 +13,15 @@ found 18 and 8.
 the model once (kept per model object) and keeps the keys and values of that many top-scoring layers
 in ``retrieval_format``.
 
+With ``retrieval_unit: head`` the cache keeps as many single KV heads instead (``retrieval_layers``
+times the KV heads of a layer: the same bytes), the best-scoring ones of any layer (:func:`top_heads`).
+
 Example:
     >>> scores = retrieval_scores(model)            # [layers, query heads]: max(echo, induction)
     >>> top_layers(scores, 3)
     [18, 17, 8]
+    >>> top_heads(scores, 3, kv_heads=3)            # (layer, KV head)
+    [(18, 2), (17, 1), (8, 0)]
 """
 
 from __future__ import annotations
@@ -56,6 +61,25 @@ def top_layers(scores: torch.Tensor, count: int) -> list[int]:
     best = scores.max(dim=1).values  # [L]
     order = sorted(range(best.numel()), key=lambda i: (-float(best[i]), i))
     return order[: max(0, min(count, best.numel()))]
+
+
+def top_heads(scores: torch.Tensor, count: int, kv_heads: int) -> list[tuple[int, int]]:
+    """The ``count`` KV heads ``(layer, kv_head)``, best first, whose best query head scores highest in
+    ``scores [L, Hq]`` (``Hq / kv_heads`` query heads per KV head, transformers' ``repeat_kv`` order;
+    ties: the lower layer, then the lower head, first); heads scoring 0 are left out.
+
+    Example:
+        >>> top_heads(torch.tensor([[0.1, 0.9, 0.2, 0.0], [0.5, 0.0, 0.0, 0.3]]), 2, kv_heads=2)
+        [(0, 0), (1, 0)]
+    """
+    layers, hq = scores.shape
+    if kv_heads < 1 or hq % kv_heads:
+        raise ValueError(f"kv_heads: {kv_heads} does not divide the {hq} query heads of the scores")
+    per_kv = scores.view(layers, kv_heads, hq // kv_heads).max(dim=2).values  # [L, H_kv]
+    ranked = sorted(
+        (-float(per_kv[i, h]), i, h) for i in range(layers) for h in range(kv_heads) if per_kv[i, h] > 0
+    )
+    return [(i, h) for _, i, h in ranked[: max(0, count)]]
 
 
 def probe_ids(model: Any, tokens: int = PROBE_TOKENS, seed: int = 0) -> tuple[torch.Tensor, int]:

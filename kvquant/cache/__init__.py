@@ -2,16 +2,21 @@
 
 - :mod:`kvquant.cache.kv_cache`: ``KVQuantCache`` (a ``transformers.Cache``)
 - :mod:`kvquant.cache.layer`: ``QuantizedKVLayer`` / ``SlidingKVLayer``, a pipeline of tiers
+- :mod:`kvquant.cache.head_split`: ``HeadSplitLayer``, a layer whose KV heads differ in format
 - :mod:`kvquant.cache.segments`: the tiers (sinks, main store, recent window, tail)
 - :mod:`kvquant.cache.store`: ``TokenStore``, the buffers a kernel reads in place
 - :mod:`kvquant.cache.view`: ``KVView``, what the ``kvquant`` attention receives
 """
 
+from kvquant.cache.head_split import HeadSplitLayer, HeadSplitView
 from kvquant.cache.kv_cache import KVQuantCache, load_static_scales
-from kvquant.cache.layer import QuantizedKVLayer, SlidingKVLayer, make_layer
+from kvquant.cache.layer import KV_LAYERS, QuantizedKVLayer, SlidingKVLayer, make_layer
 from kvquant.cache.view import KVView, QuantizedRead
 
 __all__ = [
+    "KV_LAYERS",
+    "HeadSplitLayer",
+    "HeadSplitView",
     "KVQuantCache",
     "KVView",
     "QuantizedKVLayer",

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer, get_layer_types_and_kwargs
 
-from kvquant.cache.layer import QuantizedKVLayer, make_layer
+from kvquant.cache.layer import KV_LAYERS, make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.engine_scales import is_scales_checkpoint, read_scales
 from kvquant.kernels import ops
 from kvquant.layer_kinds import EMPTY, STATE, SUPPORTED
 from kvquant.query_scales import query_channel_rms
-from kvquant.retrieval_heads import retrieval_scores, top_layers
+from kvquant.retrieval_heads import retrieval_scores, top_heads, top_layers
 
 _HYBRID_REASON = (
     " (a 'hybrid' layer runs attention and a recurrent state side by side in one cache layer, as "
@@ -49,6 +49,11 @@ def load_static_scales(path: str | Path) -> dict[str, torch.Tensor]:
             f"static_scales: {str(path)!r} is not a kvquant calibration file (needs 'keys', 'values')"
         )
     return data
+
+
+def _smooths_by_queries(cfg: KVQuantConfig) -> bool:
+    """Whether a layer config, or one of its head overrides, smooths keys by the queries' sizes."""
+    return cfg.smoothing == "query" or any(h.get("smoothing") == "query" for h in cfg.heads.values())
 
 
 def caches_latent(config: Any) -> bool:
@@ -132,7 +137,9 @@ class KVQuantCache(Cache):
                     f"layer_overrides: layer {idx} does not exist; the model has {num_layers} layers "
                     f"(allowed: {-num_layers} .. {num_layers - 1})"
                 )
-        self.retrieval_layers = self._find_retrieval_layers(config, num_layers)
+        kv_heads = getattr(decoder_config, "num_key_value_heads", None) or decoder_config.num_attention_heads
+        self.retrieval_heads: list[tuple[int, int]] = []
+        self.retrieval_layers = self._find_retrieval_layers(config, num_layers, kv_heads)
         layer_configs = [self.quant_config.for_layer(i, num_layers) for i in range(num_layers)]
         query_rms = self._find_query_rms(config, layer_configs)
         layers = []
@@ -157,14 +164,17 @@ class KVQuantCache(Cache):
                     static_scales=static,
                     initial_capacity=initial_capacity,
                     layer_idx=i,
-                    query_rms=query_rms.get(i) if layer_configs[i].smoothing == "query" else None,
+                    kv_heads=kv_heads,
+                    query_rms=query_rms.get(i) if _smooths_by_queries(layer_configs[i]) else None,
                 )
             )
         super().__init__(layers=layers)
 
-    def _find_retrieval_layers(self, model: Any, num_layers: int) -> list[int]:
-        """Probe ``model`` for ``quant_config.retrieval_layers`` layers and fold them into the config;
-        where it cannot, warn why and keep every layer's formats (the config then says 0)."""
+    def _find_retrieval_layers(self, model: Any, num_layers: int, kv_heads: int) -> list[int]:
+        """Probe ``model`` for ``quant_config.retrieval_layers`` layers (or, ``retrieval_unit: head``,
+        that many layers' worth of KV heads: ``self.retrieval_heads``) and fold them into the config;
+        where it cannot, warn why and keep every layer's formats (the config then says 0). Returns
+        the layers holding them."""
         count = self.quant_config.retrieval_layers
         if not count or self._latent:
             return []
@@ -186,6 +196,10 @@ class KVQuantCache(Cache):
             warnings.warn(f"retrieval_layers: {why}; every layer keeps its formats", stacklevel=3)
             self.quant_config = dataclasses.replace(self.quant_config, retrieval_layers=0)  # what it holds
             return []
+        if self.quant_config.retrieval_unit == "head":
+            self.retrieval_heads = top_heads(scores, count * kv_heads, kv_heads)
+            self.quant_config = self.quant_config.with_retrieval_heads(self.retrieval_heads, num_layers)
+            return sorted({i for i, _ in self.retrieval_heads})
         found = [i for i in top_layers(scores, count) if scores[i].max() > 0]
         self.quant_config = self.quant_config.with_retrieval_layers(found, num_layers)
         return found
@@ -194,7 +208,7 @@ class KVQuantCache(Cache):
         """The query channel sizes ``{layer: [H_kv, D]}`` that ``smoothing: query`` weighs keys by,
         from one probe of ``model`` (:mod:`kvquant.query_scales`); where no layer asks for them, none;
         where they cannot be had, a warning, and those layers smooth as ``auto``."""
-        if self._latent or not any(c.smoothing == "query" for c in layer_configs):
+        if self._latent or not any(_smooths_by_queries(c) for c in layer_configs):
             return {}
         if not isinstance(model, torch.nn.Module):
             why = "this cache got only the model's config. Pass the model: KVQuantCache(model, ...)"
@@ -236,15 +250,15 @@ class KVQuantCache(Cache):
         if layer_idx == 0:
             ops.raise_deferred()
         layer = self.layers[layer_idx]
-        if isinstance(layer, QuantizedKVLayer):
+        if isinstance(layer, KV_LAYERS):
             layer.return_view = self.uses_views()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"KVQuantCache(preset={self.quant_config.name!r}, layers={len(self.layers)})"
 
-    def _kv_layers(self) -> list[QuantizedKVLayer]:
-        return [layer for layer in self.layers if isinstance(layer, QuantizedKVLayer)]
+    def _kv_layers(self) -> list:
+        return [layer for layer in self.layers if isinstance(layer, KV_LAYERS)]
 
     # ------------------------------------------------------------------------------------ memory
 
@@ -269,15 +283,16 @@ class KVQuantCache(Cache):
         """One row per layer: formats, held tokens, bytes by part, reserved bytes, effective bits."""
         rows = []
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, QuantizedKVLayer):
+            if not isinstance(layer, KV_LAYERS):
                 continue
             parts = layer.nbytes()
             held, ref = sum(parts.values()), layer.fp16_bytes()
+            key_format, value_format = layer.formats()
             rows.append(
                 {
                     "layer": i,
-                    "key_format": layer.config.key_format,
-                    "value_format": layer.config.value_format,
+                    "key_format": key_format,
+                    "value_format": value_format,
                     "sliding_window": layer.sliding_window,
                     "tokens": layer.held_tokens(),
                     **{f"{k}_bytes": v for k, v in parts.items()},

@@ -20,6 +20,7 @@ import functools
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvquant.cache.head_split import HeadSplitLayer
 from kvquant.cache.segments import UPFRONT_TOKENS, QuantizedSegment, SinkSegment, TailSegment
 from kvquant.cache.store import TokenStore
 from kvquant.cache.view import KVView, QuantizedRead
@@ -510,6 +511,14 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------------------------ memory
 
+    def leaves(self) -> list[QuantizedKVLayer]:
+        """The layers that hold data: this one (a ``HeadSplitLayer`` has one per group of heads)."""
+        return [self]
+
+    def formats(self) -> tuple[str, str]:
+        """The key and value formats."""
+        return self.config.key_format, self.config.value_format
+
     def held_tokens(self) -> int:
         """Positions this layer holds data for (quantized tiers + tail)."""
         if not self.is_initialized:
@@ -585,16 +594,36 @@ class SlidingKVLayer(QuantizedKVLayer):
         self._evict()
 
 
+KV_LAYERS = (QuantizedKVLayer, HeadSplitLayer)  # the layers of a KVQuantCache that store keys / values
+
+
+def _plain_layer(config: KVQuantConfig, sliding_window: int | None, **kwargs) -> QuantizedKVLayer:
+    if sliding_window is None:
+        return QuantizedKVLayer(config, **kwargs)
+    return SlidingKVLayer(config, sliding_window, **kwargs)
+
+
 def make_layer(
-    config: KVQuantConfig, sliding_window: int | None = None, *, layer_idx: int | None = None, **kwargs
-) -> QuantizedKVLayer | SlidingKVLayer:
+    config: KVQuantConfig,
+    sliding_window: int | None = None,
+    *,
+    layer_idx: int | None = None,
+    kv_heads: int | None = None,
+    **kwargs,
+) -> QuantizedKVLayer | SlidingKVLayer | HeadSplitLayer:
     """The layer for model layer ``layer_idx``: sliding when ``sliding_window`` is set; with the
     config's key map for that layer (:func:`kvquant.key_map.load_key_map`, read once per file) when it
-    has one, which needs ``layer_idx``."""
+    has one, which needs ``layer_idx``; a :class:`~kvquant.cache.head_split.HeadSplitLayer` of
+    ``kv_heads`` heads when the config has head overrides (``heads``), which needs ``kv_heads``."""
     if config.key_map is not None and "key_map" not in kwargs:
         if layer_idx is None:
             raise ValueError("layer_idx: a config with a key_map needs the layer's index to pick its map")
         kwargs["key_map"] = layer_map(load_key_map(config.key_map), layer_idx, config.key_map)
-    if sliding_window is None:
-        return QuantizedKVLayer(config, **kwargs)
-    return SlidingKVLayer(config, sliding_window, **kwargs)
+    if config.heads:
+        if kv_heads is None:
+            raise ValueError("kv_heads: a config with head overrides (heads) needs the layer's KV heads")
+        groups = config.head_groups(kv_heads)
+        if len(groups) > 1:
+            return HeadSplitLayer(config, kv_heads, sliding_window, _plain_layer, **kwargs)
+        config = groups[0][1]  # every head alike
+    return _plain_layer(config, sliding_window, **kwargs)

@@ -101,8 +101,8 @@ def preset_backends(config: KVQuantConfig, num_layers: int, head_dim: int, devic
         'recent'
     """
     segments: dict[tuple, dict] = {}
-    for layer in range(num_layers):
-        cfg = config.for_layer(layer, num_layers)
+    layer_cfgs = [config.for_layer(layer, num_layers) for layer in range(num_layers)]
+    for cfg in [c.for_head(h) for c in layer_cfgs for h in (-1, *c.heads)]:  # (-1: the layer's own)
         kg, vg = cfg.group_sizes(head_dim)
         sdt = cfg.torch_scale_dtype
         static = cfg.static_scales is not None
