@@ -715,8 +715,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     sens = None
     if args.sensitivity and Path(args.sensitivity).is_file():
-        layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        sens = flagged("--sensitivity", load_sensitivity, args.sensitivity, formats, layers)
+        text = model.config.get_text_config(decoder=True)
+        units = text.num_hidden_layers
+        if args.per_head:
+            units *= getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        sens = flagged("--sensitivity", load_sensitivity, args.sensitivity, formats, units)
     if sens is not None and args.no_verify:  # nothing to run: the windows only give the token count
         calib = Calibration(ids, args.prefix_len, None, torch.empty(0))
     else:
@@ -735,6 +738,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         measure=args.measure,
         pinned=pins,
         progress=not args.no_progress,
+        per_head=args.per_head,
     )
     if args.sensitivity and sens is None:
         save_sensitivity(args.sensitivity, result.sensitivity)
@@ -746,6 +750,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         + (f" --base {args.base}" if args.base else "")
         + (f" --key-map {args.key_map}" if args.key_map else "")
         + (f" --pin {args.pin}" if args.pin else "")
+        + (" --per-head" if args.per_head else "")
         + (f" (sensitivities reused from {args.sensitivity})" if sens is not None else "")
         + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-layer formats for this model only; "
         f"tuned in {minutes:.1f} min"
@@ -816,6 +821,12 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="a config whose layer_overrides' key / value formats are kept (e.g. from kvquant calibrate "
         "--retrieval); their bits count against the budget",
+    )
+    p.add_argument(
+        "--per-head",
+        action="store_true",
+        help="allocate over (layer, KV head) pairs, not layers (KV-heads times the probes; the config "
+        "then holds head overrides)",
     )
     p.add_argument("--out", required=True, help="output config (.yaml)")
     p.add_argument("--name", default=None, help="the config's name (default: tuned)")

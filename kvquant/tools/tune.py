@@ -29,10 +29,13 @@ layers of ``kvquant calibrate --retrieval``, which KL on short windows does not 
 count against the budget, the allocation spreads the rest, and the uniform configs it is checked
 against carry the same pins.
 
-Per-head formats: a :class:`~kvquant.KVQuantConfig` holds one format per layer and tensor (the
-heads of a layer share it), so the allocation is over layers x {K, V}. A tensor whose format has
-more bits than the recent window's (``int8`` over ``nuq4``) gets its recent window in that format
-too.
+Per-head formats (``per_head=True``, ``kvquant tune --per-head``): the units are (layer, KV head)
+pairs instead of layers: each head's key and value tensors are probed alone (the rest of its layer
+and every other layer in full precision) and priced at ``1 / kv_heads`` of the layer's cost, and the
+result holds head overrides (``layer_overrides: {i: {heads: {h: ...}}}``, stored by
+:class:`~kvquant.cache.head_split.HeadSplitLayer`). ``kv_heads`` times the probes of a per-layer
+run. A tensor whose format has more bits than the recent window's (``int8`` over ``nuq4``) gets its
+recent window in that format too.
 
 Example:
     >>> calib = prefill(model, windows, prefix_len=1024)          # windows: [W, 1024 + 64]
@@ -285,19 +288,23 @@ class TuneResult:
     measured: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     pinned: dict[str, dict[int, str]] = field(default_factory=dict)
+    kv_heads: int = 1  # units per layer: 1, or the KV heads of a per-head run
 
     def table(self) -> str:
-        """One line per layer: its formats and the KL each tensor adds in them (``pinned``: kept in
-        that format by the caller; ``-``: a format outside the measured menu)."""
-        lines = ["layer  key   value   KL(key)   KL(value)"]
-        for i, (k, v) in enumerate(zip(self.formats["key"], self.formats["value"], strict=True)):
+        """One line per layer (per ``layer.head`` in a per-head run): its formats and the KL each
+        tensor adds in them (``pinned``: kept in that format by the caller; ``-``: a format outside
+        the measured menu)."""
+        per = self.kv_heads
+        lines = [("layer" if per == 1 else " head") + "  key   value   KL(key)   KL(value)"]
+        for u, (k, v) in enumerate(zip(self.formats["key"], self.formats["value"], strict=True)):
             cells = []
             for t, f in (("key", k), ("value", v)):
                 kl = self.sensitivity[t].get(f)
-                cells.append(f"{kl[i]:8.5f}" if kl is not None else f"{'-':>8s}")
-            pins = [t for t in TENSORS if i in self.pinned.get(t, {})]
+                cells.append(f"{kl[u]:8.5f}" if kl is not None else f"{'-':>8s}")
+            pins = [t for t in TENSORS if u // per in self.pinned.get(t, {})]
+            label = f"{u:5d}" if per == 1 else f"{f'{u // per}.{u % per}':>5s}"
             lines.append(
-                f"{i:5d}  {k:5s} {v:5s}  {cells[0]}  {cells[1]}"
+                f"{label}  {k:5s} {v:5s}  {cells[0]}  {cells[1]}"
                 + (f"  pinned: {', '.join(pins)}" if pins else "")
             )
         return "\n".join(lines)
@@ -305,8 +312,9 @@ class TuneResult:
     def summary(self) -> str:
         mix = {t: ", ".join(f"{f} x{n}" for f, n in Counter(self.formats[t]).most_common()) for t in TENSORS}
         state = "meets" if self.met else "does NOT meet"
+        unit = "" if self.kv_heads == 1 else " (per KV head)"
         out = (
-            f"keys: {mix['key']}; values: {mix['value']}; {self.bits:.3f} bits @16-bit at "
+            f"keys{unit}: {mix['key']}; values: {mix['value']}; {self.bits:.3f} bits @16-bit at "
             f"{self.bits_tokens} tokens; predicted KL {self.predicted_kl:.4g} (additive) — {state} the budget"
         )
         for t, layer_formats in self.pinned.items():
@@ -327,22 +335,40 @@ class TuneResult:
         return text
 
 
-def build_config(base: KVQuantConfig, formats: dict[str, list[str]], name: str = "tuned") -> KVQuantConfig:
-    """``base`` with each tensor's most common format as its default and the rest as overrides."""
+def _fields_over(base: KVQuantConfig, ref: KVQuantConfig, key: str, value: str) -> dict[str, str]:
+    """The fields that turn ``ref`` (what a layer or head inherits) into ``key`` / ``value`` formats
+    (a recent window that followed ``ref``'s format falls back to ``base``'s)."""
+    fields = {**tensor_fields(base, "key", key), **tensor_fields(base, "value", value)}
+    fields = {f: v for f, v in fields.items() if getattr(ref, f) != v}
+    for t in TENSORS:
+        rf = f"recent_{t}_format"
+        if rf not in fields and getattr(ref, rf) != getattr(base, rf) and f"{t}_format" in fields:
+            fields[rf] = getattr(base, rf)
+    return fields
+
+
+def build_config(
+    base: KVQuantConfig, formats: dict[str, list[str]], name: str = "tuned", kv_heads: int = 1
+) -> KVQuantConfig:
+    """``base`` with each tensor's most common format as its default and the rest as overrides.
+    ``formats[tensor]``: one per layer, or (``kv_heads`` > 1) one per KV head, ``i * kv_heads + h``:
+    a layer then takes its heads' most common formats, and the heads that differ head overrides."""
     common = {t: Counter(formats[t]).most_common(1)[0][0] for t in TENSORS}
     top = {**tensor_fields(base, "key", common["key"]), **tensor_fields(base, "value", common["value"])}
-    cfg = dataclasses.replace(base, layer_overrides={}, name=name, **top)
+    cfg = dataclasses.replace(base, layer_overrides={}, heads={}, name=name, **top)
     overrides: dict[int, dict[str, Any]] = {}
-    for i in range(len(formats["key"])):
-        fields = {
-            **tensor_fields(base, "key", formats["key"][i]),
-            **tensor_fields(base, "value", formats["value"][i]),
+    for i in range(len(formats["key"]) // kv_heads):
+        units = range(i * kv_heads, (i + 1) * kv_heads)
+        layer = {t: Counter(formats[t][u] for u in units).most_common(1)[0][0] for t in TENSORS}
+        fields: dict[str, Any] = _fields_over(base, cfg, layer["key"], layer["value"])
+        layer_cfg = dataclasses.replace(cfg, **fields)
+        heads = {
+            h: over
+            for h, u in enumerate(units)
+            if (over := _fields_over(base, layer_cfg, formats["key"][u], formats["value"][u]))
         }
-        fields = {f: v for f, v in fields.items() if getattr(cfg, f) != v}
-        for t in TENSORS:  # a recent window that followed the default format falls back
-            rf = f"recent_{t}_format"
-            if rf not in fields and getattr(cfg, rf) != getattr(base, rf) and f"{t}_format" in fields:
-                fields[rf] = getattr(base, rf)
+        if heads:
+            fields["heads"] = heads
         if fields:
             overrides[i] = fields
     return dataclasses.replace(cfg, layer_overrides=overrides)
@@ -353,14 +379,20 @@ def _off(base: KVQuantConfig, which: str) -> dict[str, str]:
     return {f"{which}_format": "none", f"recent_{which}_format": "int8"}
 
 
-def probe_config(base: KVQuantConfig, which: str, fmt: str, main_only: bool = False) -> KVQuantConfig:
+def probe_config(
+    base: KVQuantConfig, which: str, fmt: str, main_only: bool = False, head: int | None = None
+) -> KVQuantConfig:
     """One layer's config with only ``which`` (``key`` / ``value``) quantized, in ``fmt``; with
-    ``main_only`` only its main store (the recent window in int8)."""
+    ``main_only`` only its main store (the recent window in int8); with ``head``, only that KV head's
+    (the layer's other heads as the other tensor: off)."""
     other = "value" if which == "key" else "key"
     fields = tensor_fields(base, which, fmt)
     if main_only and base.recent_length:
         fields[f"recent_{which}_format"] = "int8"
-    return dataclasses.replace(base, layer_overrides={}, **_off(base, other), **fields)
+    if head is None:
+        return dataclasses.replace(base, layer_overrides={}, heads={}, **_off(base, other), **fields)
+    off = {**_off(base, "key"), **_off(base, "value")}
+    return dataclasses.replace(base, layer_overrides={}, **off, heads={head: {**_off(base, other), **fields}})
 
 
 class _RowGroups(CacheLayerMixin):
@@ -398,11 +430,12 @@ def _probe_batch(
     model: Any,
     calib: Calibration,
     base: KVQuantConfig,
-    jobs: list[tuple[str, str, int]],
+    jobs: list[tuple],
     main_only: bool = False,
 ) -> list[float]:
-    """Decode-mode KL of each job ``(tensor, format, layer)``, all in one batch: job ``g`` owns rows
-    ``g * W .. (g + 1) * W`` (the ``W`` windows), where only its tensor of its layer is quantized."""
+    """Decode-mode KL of each job ``(tensor, format, layer)`` or ``(tensor, format, layer, kv_head)``,
+    all in one batch: job ``g`` owns rows ``g * W .. (g + 1) * W`` (the ``W`` windows), where only its
+    tensor of its layer (of its head) is quantized."""
     from transformers import Cache, DynamicLayer
 
     from kvquant.cache.layer import make_layer
@@ -410,8 +443,8 @@ def _probe_batch(
 
     w, g_count = calib.ids.shape[0], len(jobs)
     quantized: dict[int, dict[int, KVQuantConfig]] = {}
-    for g, (which, fmt, i) in enumerate(jobs):
-        quantized.setdefault(i, {})[g] = probe_config(base, which, fmt, main_only)
+    for g, (which, fmt, i, *head) in enumerate(jobs):
+        quantized.setdefault(i, {})[g] = probe_config(base, which, fmt, main_only, *head)
 
     def dense(k: torch.Tensor, v: torch.Tensor) -> Any:
         layer = DynamicLayer()
@@ -426,7 +459,7 @@ def _probe_batch(
         parts, g = [], 0
         while g < g_count:
             if g in quantized[j]:
-                layer = make_layer(quantized[j][g], layer_idx=j)
+                layer = make_layer(quantized[j][g], layer_idx=j, kv_heads=k.shape[1])
                 layer.update(k, v)
                 parts.append((g * w, (g + 1) * w, layer))
                 g += 1
@@ -449,18 +482,27 @@ def _probe_batch(
 
 @torch.no_grad()
 def stored_error(
-    calib: Calibration, base: KVQuantConfig, which: str, fmt: str, layer: int, main_only: bool = False
+    calib: Calibration,
+    base: KVQuantConfig,
+    which: str,
+    fmt: str,
+    layer: int,
+    main_only: bool = False,
+    head: int | None = None,
 ) -> float:
-    """Squared error of ``which`` (keys / values) of ``layer``'s prefix as the cache stores them in
-    ``fmt`` (every tier: sinks, main store, recent window, residual), summed over the windows."""
+    """Squared error of ``which`` (keys / values) of ``layer``'s prefix (of KV head ``head`` alone,
+    when given) as the cache stores them in ``fmt`` (every tier: sinks, main store, recent window,
+    residual), summed over the windows."""
     from kvquant.cache.layer import make_layer
 
     k, v = calib.kv[layer]
-    store = make_layer(probe_config(base, which, fmt, main_only), layer_idx=layer)
+    cfg = probe_config(base, which, fmt, main_only, head)
+    store = make_layer(cfg, layer_idx=layer, kv_heads=k.shape[1])
     store.update(k, v)
     keys, values = store.update(k[:, :, -1:], v[:, :, -1:])  # reads every stored token back
     got, want = (keys, k) if which == "key" else (values, v)
-    return (got[:, :, : want.shape[2]].float() - want.float()).pow(2).sum().item()
+    err = (got[:, :, : want.shape[2]].float() - want.float()).pow(2)  # [W, H, P, D]
+    return (err if head is None else err[:, head]).sum().item()
 
 
 # KL of a tensor grows more slowly than the squared error of its stored prefix: on SmolLM2 (decode mode,
@@ -479,8 +521,10 @@ def tensor_sensitivity(
     measure: str = "all",
     group: int = 10,
     progress: bool = False,
+    per_head: bool = False,
 ) -> dict[str, dict[str, list[float]]]:
-    """``{tensor: {format: [decode-mode KL with only that tensor of layer i in that format]}}``.
+    """``{tensor: {format: [decode-mode KL with only that tensor of layer i in that format]}}``
+    (``per_head``: of unit ``i * kv_heads + h``, KV head ``h`` of layer ``i``, alone).
 
     ``measure="all"``: every (layer, tensor, format) teacher-forced through the cache (decode mode),
     ``group`` probes per batch. ``measure="scaled"`` (``len(formats)`` times faster): each (layer,
@@ -495,25 +539,33 @@ def tensor_sensitivity(
         raise ValueError(f"measure: invalid value {measure!r}; allowed: scaled, all")
     if calib.kv is None:
         raise ValueError("model: the tuner needs every layer to keep the whole prefix (no sliding windows)")
-    layers = _geometry(model.config)[0]
-    out = {t: {f: [0.0] * layers for f in formats} for t in TENSORS}
+    layers, kv_heads = _geometry(model.config)[:2]
+    units = (
+        [(i, h) for i in range(layers) for h in range(kv_heads)]
+        if per_head
+        else [(i,) for i in range(layers)]
+    )
+    out = {t: {f: [0.0] * len(units) for f in formats} for t in TENSORS}
     coarse = min(formats, key=lambda f: format_bits(probe_config(base, "key", f), "key", 64))
     probed = formats if measure == "all" else (coarse,)
-    jobs = [(t, f, i) for f in probed for t in TENSORS for i in range(layers)]
+    jobs = [(t, f, *unit) for f in probed for t in TENSORS for unit in units]
+    at = {unit: u for u, unit in enumerate(units)}
     batches = [jobs[a : a + group] for a in range(0, len(jobs), group)]
     scaled = measure == "scaled"
     for batch in tqdm(
         batches, desc=f"sensitivity (decode mode, {group} probes a batch)", disable=not progress
     ):
-        for (t, f, i), kl in zip(batch, _probe_batch(model, calib, base, batch, scaled), strict=True):
-            out[t][f][i] = kl
+        for (t, f, *unit), kl in zip(batch, _probe_batch(model, calib, base, batch, scaled), strict=True):
+            out[t][f][at[tuple(unit)]] = kl
     if scaled:
         for t in TENSORS:
-            for i in range(layers):
-                unit = max(stored_error(calib, base, t, coarse, i, main_only=True), 1e-30)
-                kl = out[t][coarse][i]
+            for u, (i, *head) in enumerate(units):
+                ref = max(stored_error(calib, base, t, coarse, i, True, *head), 1e-30)
+                kl = out[t][coarse][u]
                 for f in formats:
-                    out[t][f][i] = kl * (stored_error(calib, base, t, f, i) / unit) ** SCALING_POWER
+                    out[t][f][u] = (
+                        kl * (stored_error(calib, base, t, f, i, False, *head) / ref) ** SCALING_POWER
+                    )
     return out
 
 
@@ -527,7 +579,8 @@ def save_sensitivity(path: str | Path, sensitivity: dict[str, dict[str, list[flo
 def load_sensitivity(
     path: str | Path, formats: tuple[str, ...], layers: int
 ) -> dict[str, dict[str, list[float]]]:
-    """Measurements written by :func:`save_sensitivity`; ``ValueError`` if they miss a format or layer."""
+    """Measurements written by :func:`save_sensitivity`; ``ValueError`` if they miss a format or
+    layer. ``layers``: the units measured (layers, or layers x KV heads for a per-head run)."""
     import json
 
     data = json.loads(Path(path).read_text())
@@ -546,7 +599,7 @@ def check_base(base: KVQuantConfig | str | None) -> KVQuantConfig:
     cfg = DEFAULT_BASE if base is None else KVQuantConfig.resolve(base)
     if cfg.key_axis != "token":
         raise ValueError(f"base: key_axis {cfg.key_axis!r}; the tuner needs 'token'")
-    return dataclasses.replace(cfg, layer_overrides={}, retrieval_layers=0, name="tuned")
+    return dataclasses.replace(cfg, layer_overrides={}, heads={}, retrieval_layers=0, name="tuned")
 
 
 def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
@@ -603,6 +656,7 @@ def tune(
     measure: str = "all",
     pinned: dict[str, dict[int, str]] | None = None,
     progress: bool = False,
+    per_head: bool = False,
 ) -> TuneResult:
     """Per-layer key / value formats for ``calib``'s windows (see the module docstring).
 
@@ -619,6 +673,8 @@ def tune(
         measure: ``scaled`` or ``all`` (see :func:`tensor_sensitivity`).
         pinned: ``{tensor: {layer: format}}`` kept as given (any quantized format); their bytes
             count against ``budget_bits``, their KL (when measured) against ``budget_kl``.
+        per_head: allocate over (layer, KV head) pairs, not layers (see the module docstring);
+            ``sensitivity`` then holds one value per pair.
     """
     base_cfg = check_base(base)
     formats = check_formats(formats)
@@ -631,18 +687,22 @@ def tune(
     ref, costs = tensor_costs(base_cfg, priced, heads, head_dim, tokens)
     fp16 = tokens * heads * head_dim * 2 * 2  # 16-bit K + V bytes of one layer
     sens = sensitivity or tensor_sensitivity(
-        model, calib, base_cfg, formats, measure=measure, progress=progress
+        model, calib, base_cfg, formats, measure=measure, progress=progress, per_head=per_head
     )
-    plan = _Plan(layers, ref, fp16, costs, sens, pins)
+    per = heads if per_head else 1  # units per layer
+    plan = _Plan(layers, ref, fp16, costs, sens, pins, per)
     items = [
-        {f: (costs[t][f], plan.kl(t, f, i)) for f in ((pins[t][i],) if i in pins.get(t, {}) else formats)}
-        for i in range(layers)
+        {
+            f: (costs[t][f] / per, plan.kl(t, f, u))
+            for f in ((pins[t][u // per],) if u // per in pins.get(t, {}) else formats)
+        }
+        for u in range(layers * per)
         for t in TENSORS
     ]
     budget_cost = None if budget_bits is None else budget_bits * layers * fp16 / 16 - layers * ref
     choice, met = allocate(items, budget_cost=budget_cost, budget_kl=budget_kl)
     chosen = {t: choice[j::2] for j, t in enumerate(TENSORS)}
-    cfg = build_config(base_cfg, chosen)
+    cfg = build_config(base_cfg, chosen, kv_heads=per)
     result = TuneResult(
         cfg,
         chosen,
@@ -652,6 +712,7 @@ def tune(
         sens,
         met,
         pinned=pins,
+        kv_heads=per,
     )
     if not met:
         result.notes.append("the budget is out of the menu's reach: the nearest allocation is returned")
@@ -671,20 +732,21 @@ class _Plan:
     costs: dict[str, dict[str, int]]
     sens: dict[str, dict[str, list[float]]]
     pins: dict[str, dict[int, str]]
+    per: int = 1  # units per layer (KV heads in a per-head run), each 1 / per of a layer's cost
 
-    def kl(self, t: str, f: str, i: int) -> float:
+    def kl(self, t: str, f: str, u: int) -> float:
         measured = self.sens[t].get(f)
-        return measured[i] if measured is not None else 0.0  # a pin outside the menu: not measured
+        return measured[u] if measured is not None else 0.0  # a pin outside the menu: not measured
 
     def uniform(self, k: str, v: str) -> dict[str, list[str]]:
-        """Every layer on ``k`` / ``v``, the pins excepted."""
+        """Every unit on ``k`` / ``v``, the pins excepted."""
         return {
-            t: [self.pins.get(t, {}).get(i, f) for i in range(self.layers)]
+            t: [self.pins.get(t, {}).get(u // self.per, f) for u in range(self.layers * self.per)]
             for t, f in (("key", k), ("value", v))
         }
 
     def bits(self, chosen: dict[str, list[str]]) -> float:
-        added = sum(self.costs[t][f] for t in TENSORS for f in chosen[t])
+        added = sum(self.costs[t][f] for t in TENSORS for f in chosen[t]) / self.per
         return 16 * (self.layers * self.ref + added) / (self.layers * self.fp16)
 
     def predicted(self, chosen: dict[str, list[str]]) -> float:
@@ -700,7 +762,7 @@ def _verify(model, calib, base, formats, plan: _Plan, result: TuneResult) -> Non
     )
     result.measured["tuned"] = best = decode_kl(model, calib, result.config)
     for k, v, chosen in within[:2]:
-        cfg = build_config(base, chosen)
+        cfg = build_config(base, chosen, kv_heads=plan.per)
         label = f"uniform {k}/{v}" + (" with the pins" if plan.pins else "")
         kl = result.measured[label] = decode_kl(model, calib, cfg)
         if kl < best:
