@@ -212,3 +212,12 @@ def test_a_head_the_model_does_not_have_is_refused_when_the_cache_is_built():
         KVQuantCache(model, KVQuantConfig(heads={2: FINE}))
     with pytest.raises(ValueError, match="kv_heads: a config with head overrides"):
         make_layer(KVQuantConfig(heads={0: FINE}))
+
+
+def test_head_overrides_survive_a_yaml_round_trip(tmp_path):
+    cfg = KVQuantConfig(
+        key_format="nuq2", heads={0: {"value_format": "int8"}}, layer_overrides={3: {"heads": {2: FINE}}}
+    )
+    path = tmp_path / "c.yaml"
+    cfg.to_yaml(path)
+    assert KVQuantConfig.from_yaml(path) == cfg  # (integer head and layer keys kept)
