@@ -340,7 +340,7 @@ _RECIPE = dict(rotation="hadamard", smoothing="query", sink_tokens=4)  # every c
 _RECENT = dict(residual_length=4, recent_key_format="nuq4", recent_value_format="nuq4")
 # the 2-bit window recipe: keys scaled per 32 channels, 8-bit scales, a 96-token window
 _RECENT_2BIT = dict(key_group_size=32, scale_dtype="float8_e4m3", recent_length=96, **_RECENT)
-_PROBED = dict(retrieval_layers=4)  # keys and values of 4 probed retrieval layers in nuq4 (<= 3 bits)
+_PROBED = dict(retrieval_layers=4, retrieval_unit="head")  # 4 layers' worth of probed KV heads in nuq4
 _G64 = dict(key_group_size=64, value_group_size=64)  # a scale per 64 channels (per head on 64-wide heads)
 PINNED = {  # what the low-bit presets are; a change here is a change of a measured recipe
     # key channels weighed by the model's query sizes in heads with outlier channels (smoothing: query in

@@ -16,17 +16,19 @@ pytestmark = pytest.mark.slow
 
 @torch.no_grad()
 def test_probed_layers_bring_back_a_passkey_the_low_bit_keys_lose():
-    """``tcq2-recent`` without its retrieval layers misses the evaluation's 4k prompt at depth 1/4
-    (first-token margin -1.87, full precision +1.73); with the keys and values of the four probed
-    layers (18, 17, 8, 14) in ``nuq4`` it answers (+1.39). The greedy passkey search, asking the model,
-    had found 18 and 8."""
+    """``tcq2-recent`` without its retrieval heads misses the evaluation's 4k prompt at depth 1/4
+    (first-token margin -1.87, full precision +1.73); with the keys and values of the 12 probed KV heads
+    (4 layers' worth; the best in layers 18, 17, 8, 14, the layers the preset kept whole until
+    2026-12-07) in ``nuq4`` it answers (+1.47; the four whole layers: +1.40). The greedy passkey search,
+    asking the model, had found layers 18 and 8."""
     model, tok = load_model()
     assert top_layers(retrieval_scores(model), 4) == [18, 17, 8, 14]
     preset = KVQuantConfig.resolve("tcq2-recent")
-    assert preset.retrieval_layers == 4
+    assert preset.retrieval_layers == 4 and preset.retrieval_unit == "head"
     plain = KVQuantCache(model, dataclasses.replace(preset, retrieval_layers=0))
     probed = KVQuantCache(model, preset)
-    assert probed.retrieval_layers == [18, 17, 8, 14]
+    assert probed.retrieval_heads[:4] == [(18, 2), (17, 1), (8, 0), (14, 1)]
+    assert len(probed.retrieval_heads) == 12 and len(probed.retrieval_layers) == 11  # layer 23: two
     case = passkey_cases([4096], trials=6, digits=5, seed=0)[1]
     ids, q_len = passkey_prompt(tok, 4096, case["key"], case["depth"])  # [4096]
     model(input_ids=ids[None, :-q_len], cache=_FanOut(model.config, [plain, probed]), logits_to_keep=1)
