@@ -752,7 +752,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         + (f" --pin {args.pin}" if args.pin else "")
         + (" --per-head" if args.per_head else "")
         + (f" (sensitivities reused from {args.sensitivity})" if sens is not None else "")
-        + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-layer formats for this model only; "
+        + f"\nmodel: {args.model or 'smollm2 (embedded)'}; per-{'head' if args.per_head else 'layer'} formats "
+        "for this model only; "
         f"tuned in {minutes:.1f} min"
     )
     if args.name:

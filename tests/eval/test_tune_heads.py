@@ -70,3 +70,28 @@ def test_per_head_tuning_gives_the_loud_head_the_bits_and_beats_the_per_layer_tu
         split_heads, held_out, layers.config
     )
     assert " 1.0  " in heads.table() and "(per KV head)" in heads.summary()
+
+
+def test_tune_cli_per_head_writes_head_rows_and_a_config_the_cache_takes(tiny_model_dir, tmp_path, capsys):
+    from kvquant import KVQuantConfig
+    from kvquant.models import load_model
+    from kvquant.tools.cli import main
+
+    out, sens = tmp_path / "tuned.yaml", tmp_path / "sens.json"
+    base = tmp_path / "base.yaml"
+    BASE.to_yaml(base)
+    args = ["tune", "--model", str(tiny_model_dir), "--budget-bits", "4.6", "--windows", "1"]
+    args += ["--prefix-len", "40", "--score-len", "8", "--formats", "tcq2,tcq3", "--measure", "scaled"]
+    args += ["--base", str(base), "--per-head", "--no-verify", "--no-progress", "--sensitivity", str(sens)]
+    assert main(args + ["--out", str(out)]) == 0, capsys.readouterr().out
+    body = out.read_text()
+    assert "--per-head" in body.splitlines()[0] and "per-head formats" in body
+    assert "#   1.1  tcq" in body  # layer 1, KV head 1
+    model, _ = load_model(str(tiny_model_dir))
+    cache = KVQuantCache(model, KVQuantConfig.from_yaml(out))
+    with torch.no_grad():
+        model(input_ids=torch.randint(4, 100, (1, 30)), cache=cache)
+    assert cache.get_seq_length() == 30
+    # the measurements, one per (layer, head), are reused for another budget
+    assert main(args + ["--out", str(tmp_path / "again.yaml")]) == 0
+    assert "sensitivities reused" in (tmp_path / "again.yaml").read_text()
