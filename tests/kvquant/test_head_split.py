@@ -221,3 +221,19 @@ def test_head_overrides_survive_a_yaml_round_trip(tmp_path):
     path = tmp_path / "c.yaml"
     cfg.to_yaml(path)
     assert KVQuantConfig.from_yaml(path) == cfg  # (integer head and layer keys kept)
+
+
+def test_with_one_kv_head_per_layer_heads_are_layers():
+    """Gemma-shaped models (one KV head): ``retrieval_unit: head`` keeps the same layers, stored by plain
+    layers, with the same results as whole layers."""
+    model = tiny_model("llama", num_hidden_layers=3, num_key_value_heads=1)
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for unit in ("head", "layer"):
+        cache = KVQuantCache(model, _tcq2(1, unit), initial_capacity=4)
+        with torch.no_grad():
+            model(input_ids=ids[:, :30], cache=cache)
+            logits.append(model(input_ids=ids[:, 30:], cache=cache).logits)
+        assert not any(isinstance(layer, HeadSplitLayer) for layer in cache.layers)
+        assert [layer.config.key_format for layer in cache.layers].count("nuq4") == 1
+    assert torch.equal(logits[0], logits[1])
