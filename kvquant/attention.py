@@ -274,8 +274,8 @@ def _split_forward(
     with one row per head) are sliced to the group's query heads."""
     b, hq, q_len, _ = query.shape
     out = None
-    for kv_heads, view in split.parts:
-        heads = split.query_heads(kv_heads, hq)  # [h * G]
+    for i, (_, view) in enumerate(split.parts):
+        heads = split.query_heads(i, hq)  # [h * G]
         part_kwargs = dict(kwargs)
         for name in ("s_aux", "position_bias"):
             x = kwargs.get(name)

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -30,17 +30,24 @@ from kvquant.config import KVQuantConfig
 @dataclass(frozen=True)
 class HeadSplitView:
     """What a :class:`HeadSplitLayer` hands the ``kvquant`` attention: ``parts``, one
-    ``(kv_heads [h] int64, KVView)`` per group of alike heads, ``kv_heads`` KV heads in all."""
+    ``(kv_heads [h] int64, KVView)`` per group of alike heads, ``kv_heads`` KV heads in all;
+    ``memo``: the layer's, for the query heads of each group (made once per query head count)."""
 
     parts: tuple[tuple[torch.Tensor, KVView], ...]
     kv_heads: int
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def query_heads(self, kv_heads: torch.Tensor, query_heads: int) -> torch.Tensor:
-        """The query heads ``[h * G]`` reading ``kv_heads`` (``G = query_heads / kv_heads``: the query
-        heads of KV head ``j`` are ``j * G .. j * G + G - 1``, transformers' ``repeat_kv`` order)."""
-        g = query_heads // self.kv_heads
-        offsets = torch.arange(g, device=kv_heads.device)
-        return (kv_heads[:, None] * g + offsets[None, :]).reshape(-1)
+    def query_heads(self, part: int, query_heads: int) -> torch.Tensor:
+        """The query heads ``[h * G]`` reading part ``part``'s KV heads (``G = query_heads /
+        kv_heads``: the query heads of KV head ``j`` are ``j * G .. j * G + G - 1``, transformers'
+        ``repeat_kv`` order)."""
+        kv_heads = self.parts[part][0]
+        key = (part, query_heads, kv_heads.device)
+        if key not in self.memo:
+            g = query_heads // self.kv_heads
+            offsets = torch.arange(g, device=kv_heads.device)
+            self.memo[key] = (kv_heads[:, None] * g + offsets[None, :]).reshape(-1)
+        return self.memo[key]
 
 
 class HeadSplitLayer(CacheLayerMixin):
@@ -95,6 +102,7 @@ class HeadSplitLayer(CacheLayerMixin):
             order += heads
         self._inverse = torch.argsort(torch.tensor(order))  # [H]: model head -> place in the parts' cat
         self._on: dict[torch.device, tuple] = {}
+        self._query_heads: dict = {}  # (part, query heads, device) -> [h * G] (HeadSplitView.query_heads)
 
     # ------------------------------------------------------------------------------------ state
 
@@ -176,7 +184,8 @@ class HeadSplitLayer(CacheLayerMixin):
             outs.append(part.update(k, v, *args, **kwargs))
         if all(isinstance(o[0], KVView) for o in outs):
             heads = self._index(key_states.device)[0]
-            view = HeadSplitView(tuple(zip(heads, (o[0] for o in outs), strict=True)), self.kv_heads)
+            parts = tuple(zip(heads, (o[0] for o in outs), strict=True))
+            view = HeadSplitView(parts, self.kv_heads, self._query_heads)
             return view, view
         return self._join([o[0] for o in outs]), self._join([o[1] for o in outs])
 
