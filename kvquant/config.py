@@ -54,6 +54,26 @@ def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{field_name}: invalid value {value!r}; allowed: {allowed}")
 
 
+def _check_overrides(cfg: Any, name: str, overrides: Any, allowed: tuple[str, ...], keys: str) -> None:
+    """``overrides`` (``{index: {field: value}}``: ``heads``, ``layer_overrides``) checked: integer
+    indices (``heads``: >= 0), mappings of ``allowed`` fields, values ``cfg`` accepts."""
+    if not isinstance(overrides, dict):
+        raise _bad(
+            name,
+            overrides,
+            f"a mapping {{{'kv_head' if name == 'heads' else 'layer'}_index: {{field: value}}}}",
+        )
+    for idx, over in overrides.items():
+        if not isinstance(idx, int) or isinstance(idx, bool) or (name == "heads" and idx < 0):
+            raise _bad(name, idx, keys)
+        if not isinstance(over, dict):
+            raise _bad(f"{name}[{idx}]", over, "a mapping {field: value}")
+        unknown = set(over) - set(allowed)
+        if unknown:
+            raise _bad(f"{name}[{idx}]", sorted(unknown)[0], ", ".join(allowed))
+        dataclasses.replace(cfg, **{"layer_overrides": {}, "heads": {}, **over})  # validates the values
+
+
 def _dividing(group: int, head_dim: int) -> int:
     """The largest channel group <= ``group`` that divides ``head_dim``, a multiple of 8 if one does."""
     fits = [g for g in range(min(group, head_dim), 0, -1) if head_dim % g == 0]
@@ -232,28 +252,14 @@ class KVQuantConfig:
             )
         if self.retrieval_unit not in RETRIEVAL_UNITS:
             raise _bad("retrieval_unit", self.retrieval_unit, ", ".join(RETRIEVAL_UNITS))
-        if not isinstance(self.heads, dict):
-            raise _bad("heads", self.heads, "a mapping {kv_head_index: {field: value}}")
-        for h, over in self.heads.items():
-            if not isinstance(h, int) or isinstance(h, bool) or h < 0:
-                raise _bad("heads", h, "KV head indices: integers >= 0")
-            if not isinstance(over, dict):
-                raise _bad(f"heads[{h}]", over, "a mapping {field: value}")
-            unknown = set(over) - set(_HEAD_OVERRIDABLE)
-            if unknown:
-                raise _bad(f"heads[{h}]", sorted(unknown)[0], ", ".join(_HEAD_OVERRIDABLE))
-            dataclasses.replace(self, layer_overrides={}, heads={}, **over)  # validates the values
-        if not isinstance(self.layer_overrides, dict):
-            raise _bad("layer_overrides", self.layer_overrides, "a mapping {layer_index: {field: value}}")
-        for idx, over in self.layer_overrides.items():
-            if not isinstance(idx, int) or isinstance(idx, bool):
-                raise _bad("layer_overrides", idx, "integer layer indices (negative counts from the end)")
-            if not isinstance(over, dict):
-                raise _bad(f"layer_overrides[{idx}]", over, "a mapping {field: value}")
-            unknown = set(over) - set(_OVERRIDABLE)
-            if unknown:
-                raise _bad(f"layer_overrides[{idx}]", sorted(unknown)[0], ", ".join(_OVERRIDABLE))
-            dataclasses.replace(self, layer_overrides={}, **over)  # validates the overridden values
+        _check_overrides(self, "heads", self.heads, _HEAD_OVERRIDABLE, "KV head indices: integers >= 0")
+        _check_overrides(
+            self,
+            "layer_overrides",
+            self.layer_overrides,
+            _OVERRIDABLE,
+            "integer layer indices (negative counts from the end)",
+        )
 
     # ------------------------------------------------------------------------------------ derived
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvquant.cache.view import KVView
+from kvquant.cache.view import DequantizedKV, KVView
 from kvquant.config import KVQuantConfig
 
 
@@ -50,7 +50,7 @@ class HeadSplitView:
         return self.memo[key]
 
 
-class HeadSplitLayer(CacheLayerMixin):
+class HeadSplitLayer(DequantizedKV, CacheLayerMixin):
     """A layer stored as one sub-layer per group of KV heads with the same config.
 
     Args:
@@ -113,26 +113,6 @@ class HeadSplitLayer(CacheLayerMixin):
     @is_initialized.setter
     def is_initialized(self, value: bool) -> None:  # (CacheLayerMixin.__init__ sets it)
         pass
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """Dequantized keys ``[B, H, n, D]`` of every position the next call attends to."""
-        return self.read_history()[0] if self.is_initialized else None
-
-    @keys.setter
-    def keys(self, value: None) -> None:
-        if value is not None:
-            raise AttributeError("keys: a HeadSplitLayer stores keys through update(), not by assignment")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """Dequantized values ``[B, H, n, D]``, as :attr:`keys`."""
-        return self.read_history()[1] if self.is_initialized else None
-
-    @values.setter
-    def values(self, value: None) -> None:
-        if value is not None:
-            raise AttributeError("values: a HeadSplitLayer stores values through update(), not by assignment")
 
     def leaves(self) -> list[CacheLayerMixin]:
         """The sub-layers, one per group of heads."""

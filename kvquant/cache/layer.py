@@ -23,7 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvquant.cache.head_split import HeadSplitLayer
 from kvquant.cache.segments import UPFRONT_TOKENS, QuantizedSegment, SinkSegment, TailSegment
 from kvquant.cache.store import TokenStore
-from kvquant.cache.view import KVView, QuantizedRead
+from kvquant.cache.view import DequantizedKV, KVView, QuantizedRead
 from kvquant.config import KVQuantConfig
 from kvquant.kernels import ops
 from kvquant.key_map import layer_map, load_key_map
@@ -47,7 +47,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, 2)
 
 
-class QuantizedKVLayer(CacheLayerMixin):
+class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
     """Quantized cache layer of a full-attention layer (see the module docstring).
 
     Args:
@@ -151,31 +151,6 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._clear()
-
-    # transformers reads ``layer.keys`` / ``layer.values`` where a layer is written once and read at
-    # every step without an update: T5 / BART / Whisper cross-attention inside an EncoderDecoderCache
-    @property
-    def keys(self) -> torch.Tensor | None:
-        """Dequantized keys ``[B, H, n, D]`` of every position the next call attends to (None before
-        the first update). A full read of the store: for callers that bypass :meth:`update`."""
-        return self.read_history()[0] if self.is_initialized else None
-
-    @keys.setter
-    def keys(self, value: None) -> None:  # CacheLayerMixin.__init__ and reset set it to None
-        if value is not None:
-            raise AttributeError("keys: a QuantizedKVLayer stores keys through update(), not by assignment")
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        """Dequantized values ``[B, H, n, D]``, as :attr:`keys`."""
-        return self.read_history()[1] if self.is_initialized else None
-
-    @values.setter
-    def values(self, value: None) -> None:
-        if value is not None:
-            raise AttributeError(
-                "values: a QuantizedKVLayer stores values through update(), not by assignment"
-            )
 
     @property
     def tiers(self) -> tuple[QuantizedSegment, ...]:

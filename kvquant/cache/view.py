@@ -18,6 +18,38 @@ from kvquant.cache.store import Operand
 from kvquant.transforms import KeyTransform
 
 
+class DequantizedKV:
+    """``keys`` / ``values`` of a cache layer that stores through ``update``: read-only, each a full
+    dequantized read (``read_history``) of every position the next call attends to, None before the
+    first update. transformers reads ``layer.keys`` / ``layer.values`` where a layer is written once
+    and read at every step without an update (T5 / BART / Whisper cross-attention inside an
+    ``EncoderDecoderCache``); ``CacheLayerMixin.__init__`` and ``reset`` assign None."""
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Dequantized keys ``[B, H, n, D]``."""
+        return self.read_history()[0] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value: None) -> None:
+        if value is not None:
+            raise AttributeError(
+                f"keys: a {type(self).__name__} stores keys through update(), not by assignment"
+            )
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Dequantized values ``[B, H, n, D]``."""
+        return self.read_history()[1] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value: None) -> None:
+        if value is not None:
+            raise AttributeError(
+                f"values: a {type(self).__name__} stores values through update(), not by assignment"
+            )
+
+
 @dataclass(frozen=True)
 class QuantizedRead:
     """Positions ``[p0, p1)`` of one quantized tier; buffer index = position - ``origin``.
