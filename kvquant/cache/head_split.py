@@ -25,6 +25,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.cache.view import DequantizedKV, KVView
 from kvquant.config import KVQuantConfig
+from kvquant.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,9 @@ class HeadSplitLayer(DequantizedKV, CacheLayerMixin):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         ks, vs = self._split(key_states), self._split(value_states)
+        # every group's checks before any group stores: nothing half-written (states that fail one
+        # group's shape checks fail the first's, alike in all but the heads)
+        ops.check_finite(key_states, value_states)
         outs = []
         for (_, part), k, v in zip(self.parts, ks, vs, strict=True):
             part.return_view = self.return_view

@@ -237,3 +237,17 @@ def test_with_one_kv_head_per_layer_heads_are_layers():
         assert not any(isinstance(layer, HeadSplitLayer) for layer in cache.layers)
         assert [layer.config.key_format for layer in cache.layers].count("nuq4") == 1
     assert torch.equal(logits[0], logits[1])
+
+
+def test_a_non_finite_value_in_one_group_leaves_every_group_as_it_was():
+    layer = make_layer(_split(), kv_heads=3, initial_capacity=4)
+    k = torch.randn(1, 3, 12, 16)
+    layer.update(k, k)
+    before = layer.read_history()
+    bad = torch.randn(1, 3, 1, 16)
+    bad[0, 1, 0, 3] = float("nan")  # KV head 1: the second group
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        layer.update(bad, torch.randn(1, 3, 1, 16))
+    assert layer.get_seq_length() == 12 and all(p.get_seq_length() == 12 for p in layer.leaves())
+    after = layer.read_history()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
