@@ -14,6 +14,8 @@ from kvquant.retrieval_heads import retrieval_scores, top_layers
 
 
 def _tcq2(n: int, **kw) -> KVQuantConfig:
+    """``tcq2-recent`` keeping ``n`` whole retrieval layers (the preset keeps heads: test_head_split)."""
+    kw.setdefault("retrieval_unit", "layer")
     return dataclasses.replace(KVQuantConfig.resolve("tcq2-recent"), retrieval_layers=n, **kw)
 
 

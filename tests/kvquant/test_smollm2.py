@@ -125,7 +125,5 @@ def test_query_smoothing_leaves_smollm2s_even_heads_as_mean(smollm2, wikitext_id
     assert all(layer.query_rms is not None for layer in cache.layers)
     with torch.no_grad():
         model(ids, cache=cache)
-    for layer in cache.layers:
-        assert torch.equal(
-            layer.transform.stats[1].float(), torch.ones_like(layer.transform.stats[1].float())
-        )
+    for leaf in (leaf for layer in cache.layers for leaf in layer.leaves()):  # (split layers: each group)
+        assert torch.equal(leaf.transform.stats[1].float(), torch.ones_like(leaf.transform.stats[1].float()))
