@@ -198,16 +198,9 @@ class HeadSplitLayer(DequantizedKV, CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._first.get_mask_sizes(query_length)
 
-    def history_begin(self) -> int:
-        return min(part.history_begin() for _, part in self.parts)
-
     @property
     def batch_size(self) -> int:
         return self._first.batch_size
-
-    @property
-    def record_past(self) -> bool:
-        return self._first.record_past
 
     # ------------------------------------------------------------------------------------ generate hooks
 
