@@ -17,7 +17,8 @@ from kvquant import KVQuantCache, KVQuantConfig
 from kvquant.eval.decode import teacher_forced_logprobs
 from kvquant.memory import layer_bytes
 from kvquant.models import tiny_model
-from kvquant.tools.cli import _TUNE_MENU, main
+from kvquant.tools.cli import main
+from kvquant.tools.commands.tune import _TUNE_MENU
 from kvquant.tools.tune import (
     DEFAULT_BASE,
     MENU,

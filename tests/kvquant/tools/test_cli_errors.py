@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvquant.tools.cli as cli
+import kvquant.tools.commands.plan as plan_command
 from kvquant.tools.arguments import describe
 from kvquant.tools.cli import main
 
@@ -370,7 +370,7 @@ def test_an_internal_bug_is_not_reported_as_bad_input(monkeypatch, capsys):
     def buggy(args):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(cli, "_cmd_plan", buggy)
+    monkeypatch.setattr(plan_command, "_cmd_plan", buggy)
     with pytest.raises(KeyError):
         main(["plan", "--memory", "1GiB", "--context", "8"])
     assert capsys.readouterr().err == ""
@@ -380,7 +380,7 @@ def test_a_keyboard_interrupt_in_process_is_one_line_and_130(monkeypatch, capsys
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_cmd_plan", interrupted)
+    monkeypatch.setattr(plan_command, "_cmd_plan", interrupted)
     assert main(["plan", "--memory", "1GiB", "--context", "8"]) == 130
     assert capsys.readouterr().err == "kvquant plan: interrupted\n"
 
@@ -396,11 +396,12 @@ KVQUANT = Path(sys.executable).parent / "kvquant"
 SLOW_COMMAND = """
 import sys, time
 import kvquant.tools.cli as cli
+import kvquant.tools.commands.plan as plan_command
 def slow(args):
     print("ready", flush=True)
     time.sleep(60)
     return 0
-cli._cmd_plan = slow
+plan_command._cmd_plan = slow
 sys.exit(cli.main(sys.argv[1:] + ["plan", "--memory", "1GiB", "--context", "8"]))
 """
 
