@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvquant.cache.layer import make_layer
+from kvquant.cache.factory import make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.formats import format_spec
 from kvquant.layer_kinds import ATTENTION, EMPTY

@@ -11,7 +11,7 @@ heads against its own quantized tiers, fused) and writes into one output.
 
 Example:
     >>> cfg = KVQuantConfig(key_format="nuq2", value_format="nuq2", heads={1: {"key_format": "nuq4"}})
-    >>> layer = make_layer(cfg, kv_heads=3)                   # kvquant.cache.layer.make_layer
+    >>> layer = make_layer(cfg, kv_heads=3)                   # kvquant.cache.factory.make_layer
     >>> [(heads.tolist(), part.config.key_format) for heads, part in layer.parts]
     [([0, 2], 'nuq2'), ([1], 'nuq4')]
 """
@@ -57,7 +57,7 @@ class HeadSplitLayer(DequantizedKV, CacheLayerMixin):
     Args:
         config: the layer's resolved config (``KVQuantConfig.for_layer``), with head overrides.
         kv_heads: the layer's KV heads.
-        sliding_window: as :func:`~kvquant.cache.layer.make_layer`.
+        sliding_window: as :func:`~kvquant.cache.factory.make_layer`.
         layer_factory: ``(config, sliding_window, **kwargs) -> layer`` for one group of heads.
         static_scales / key_map / query_rms: as ``QuantizedKVLayer``'s, over all ``kv_heads``
             (each sub-layer gets its heads' rows).
@@ -159,13 +159,13 @@ class HeadSplitLayer(DequantizedKV, CacheLayerMixin):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         ks, vs = self._split(key_states), self._split(value_states)
-        # every group's checks before any group stores: nothing half-written (states that fail one
-        # group's shape checks fail the first's, alike in all but the heads)
-        ops.check_finite(key_states, value_states)
+        for (_, part), k, v in zip(self.parts, ks, vs, strict=True):
+            part._check_states(k, v)
+        ops.check_finite(key_states, value_states)  # every group's checks before any group stores
         outs = []
         for (_, part), k, v in zip(self.parts, ks, vs, strict=True):
             part.return_view = self.return_view
-            outs.append(part.update(k, v, *args, **kwargs))
+            outs.append(part._update_checked(k, v, **kwargs))
         if all(isinstance(o[0], KVView) for o in outs):
             heads = self._index(key_states.device)[0]
             parts = tuple(zip(heads, (o[0] for o in outs), strict=True))

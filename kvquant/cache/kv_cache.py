@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer, get_layer_types_and_kwargs
 
-from kvquant.cache.layer import KV_LAYERS, make_layer
+from kvquant.cache.factory import KV_LAYERS, make_layer
 from kvquant.config import KVQuantConfig
 from kvquant.engine_scales import is_scales_checkpoint, read_scales
 from kvquant.kernels import ops

@@ -5,7 +5,7 @@ window (``recent_length`` > 0: finer formats), the full-precision tail (``residu
 each row's first ``sink_tokens`` real tokens in full precision beside them. The layer only moves
 tokens: new ones enter the tail; what ages out of it is put through the key transform
 (:mod:`kvquant.transforms`, fitted on the first tokens that leave) and pushed into the recent window,
-whose overflow goes on to the main store. ``SlidingKVLayer`` also evicts positions no later query
+whose overflow goes on to the main store. ``SlidingKVLayer`` (:mod:`kvquant.cache.sliding`) also evicts positions no later query
 can see.
 
 ``update`` returns, for any attention implementation, the dequantized history of the positions
@@ -15,36 +15,16 @@ cached *before* the call followed by the call's own fresh full-precision keys / 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvquant.cache.head_split import HeadSplitLayer
 from kvquant.cache.segments import UPFRONT_TOKENS, QuantizedSegment, SinkSegment, TailSegment
+from kvquant.cache.state_checks import check_layout
 from kvquant.cache.store import TokenStore
-from kvquant.cache.view import DequantizedKV, KVView, QuantizedRead
+from kvquant.cache.view import DequantizedKV, KVView, view_of
 from kvquant.config import KVQuantConfig
 from kvquant.kernels import ops
-from kvquant.key_map import layer_map, load_key_map
 from kvquant.transforms import KeyTransform
-
-_STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a layer stores
-
-
-@functools.lru_cache(maxsize=256)
-def _same_start(b: int, index: int, device: torch.device) -> torch.Tensor:
-    """``[b]`` int64 filled with ``index``: a read's start when no row is padded (read-only: shared
-    by every layer and step that asks for the same value)."""
-    return torch.full((b,), index, dtype=torch.long, device=device)
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` concatenated on the token axis, always a copy of the cache's own buffers (the tail
-    shifts at the next append); the call's tokens (the last part) alone are used as they are."""
-    if parts[-1].shape[2] and not any(p.shape[2] for p in parts[:-1]):
-        return parts[-1]
-    return torch.cat(parts, 2)
 
 
 class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
@@ -198,8 +178,15 @@ class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
 
         With ``return_view`` set (the model runs the ``kvquant`` attention) both return values are
         one :class:`~kvquant.cache.view.KVView` of the tiers instead: nothing is dequantized here.
+        Bad states (:func:`~kvquant.cache.state_checks.check_layout`, non-finite values) raise before
+        anything is stored.
         """
         self._check_states(key_states, value_states)
+        ops.check_finite(key_states, value_states)
+        return self._update_checked(key_states, value_states, **kwargs)
+
+    def _update_checked(self, key_states: torch.Tensor, value_states: torch.Tensor, **kwargs):
+        """``update`` once the states passed its checks (a ``HeadSplitLayer`` checks every group first)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs") or {}
@@ -215,33 +202,14 @@ class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One clear ``ValueError`` / ``TypeError`` for states this layer cannot store: shapes, dtypes
-        and devices against each other and against what the layer holds (metadata only), and
-        non-finite values as they enter (:func:`kvquant.kernels.ops.check_finite`: no host sync on
-        CUDA)."""
+        """:func:`~kvquant.cache.state_checks.check_layout` against what this layer holds (a decode step
+        laid out like the last one it took passes at once)."""
         key = None
         if self.is_initialized and type(k) is torch.Tensor and type(v) is torch.Tensor:
             key = (k.shape, v.shape, k.dtype, v.dtype, k.device, v.device, self.batch_size)
-            if key == self._accepted:  # a decode step like the last one: only the values to look at
-                ops.check_finite(k, v)
+            if key == self._accepted:
                 return
-        for name, x in (("key_states", k), ("value_states", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-            if x.dim() != 4:
-                raise ValueError(
-                    f"{name}: expected [batch, kv_heads, tokens, head_dim], got shape {tuple(x.shape)}"
-                )
-            if x.dtype not in _STATE_DTYPES:
-                allowed = ", ".join(str(d).removeprefix("torch.") for d in _STATE_DTYPES)
-                raise TypeError(f"{name}: dtype {str(x.dtype).removeprefix('torch.')}; allowed: {allowed}")
-        if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
-            raise ValueError(
-                f"value_states: {tuple(v.shape)} {v.dtype} on {v.device} does not match key_states "
-                f"{tuple(k.shape)} {k.dtype} on {k.device} in batch, heads, tokens, dtype and device"
-            )
-        if k.shape[2] == 0:
-            raise ValueError("key_states: an update needs at least one token, got 0")
+        held = None
         if self.is_initialized:
             held = (
                 self.batch_size,
@@ -251,16 +219,7 @@ class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
                 self.dtype,
                 self.device,
             )
-            got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
-            fields = ("batch", "kv_heads", "head_dim", "head_dim", "dtype", "device")
-            names = ("key_states",) * 3 + ("value_states",) + ("key_states",) * 2
-            for name, field, want, have in zip(names, fields, held, got, strict=True):
-                if want != have:
-                    raise ValueError(
-                        f"{name}: {field} {have} but this layer holds {want} (from its first update); "
-                        "reset the cache (or reorder / select / repeat it) before changing it"
-                    )
-        ops.check_finite(k, v)
+        check_layout(k, v, held)
         self._accepted = key  # (the layout of states this initialized layer has taken)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
@@ -365,51 +324,9 @@ class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
         return torch.cat([k, tail_k], dim=2), torch.cat([v, tail_v], dim=2)
 
     def view(self, k: torch.Tensor, v: torch.Tensor) -> KVView:
-        """A :class:`~kvquant.cache.view.KVView` of the history before ``k, v`` are appended."""
-        begin, store_end = self.history_begin(), self.store_end
-        sinks = self.sinks is not None and self.sinks.held
-        n_s = self.sinks.n if sinks else 0
-        first = None if self.pads_max == 0 else self.pads + n_s  # [B] first position neither padding nor sink
-        reads, lo = [], begin
-        for tier in self.tiers:
-            p0, p1 = max(lo, tier.begin), tier.end
-            if p1 > p0:
-                if first is None:  # no padding: one start for every row, a shared constant tensor
-                    start = _same_start(self.pads.shape[0], max(n_s, p0) - tier.origin, self.device)
-                else:
-                    start = torch.clamp(first, min=p0) - tier.origin  # [B]
-                reads.append(QuantizedRead(*tier.operands(), p0, p1, tier.origin, start))
-            lo = max(lo, p1)
-        tail_k, tail_v = self.tail.read(begin)  # views: the one copy is the cat below
-        with_sinks = sinks and begin < store_end
-        fp_k, fp_v = [tail_k, k], [tail_v, v]
-        if with_sinks:
-            fp_k.insert(0, self.sinks.k)
-            fp_v.insert(0, self.sinks.v)
-        all_valid = self.pads_max == 0 and begin == 0 and (not with_sinks or self.sinks.n <= store_end)
-        valid = None
-        if not all_valid:  # [B, n]: padding, and sinks outside the visible history, do not count
-            tail_pos = torch.arange(max(begin, store_end), self.seq_len, device=self.device)
-            parts = [self.sinks.valid(begin, store_end, self.pads)] if with_sinks else []
-            valid = torch.cat(parts + [tail_pos[None, :] >= self.pads[:, None]], 1)
-        return KVView(
-            new_k=k,
-            new_v=v,
-            seq_before=self.seq_len,
-            hist_begin=begin,
-            reads=reads,
-            fp_k=_joined(fp_k),  # [B, H, s + t + q, D]
-            fp_v=_joined(fp_v),
-            n_sinks=self.sinks.n if with_sinks else 0,
-            dense_valid=valid,
-            pads=self.pads,
-            transform=self.transform,
-            # the sinks as they are now: a sliding layer may drop them in this call's append
-            sinks_back=functools.partial(
-                self._sinks_back, sinks=(self.sinks.k, self.sinks.v) if sinks else None
-            ),
-            plans=self.plans,
-        )
+        """A :class:`~kvquant.cache.view.KVView` of the history before ``k, v`` are appended
+        (:func:`~kvquant.cache.view.view_of`)."""
+        return view_of(self, k, v)
 
     # ------------------------------------------------------------------------------------ generate hooks
 
@@ -521,84 +438,3 @@ class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
             return 0
         b, h, _, d = self.tail.k.shape
         return self.held_tokens() * b * h * (d + self.tail.v.shape[3]) * 2
-
-
-class SlidingKVLayer(QuantizedKVLayer):
-    """A sliding-window (or chunked) layer: drops positions no later query can see (sinks
-    included), unless transformers asked it to record the past for a later ``crop``.
-
-    Args:
-        sliding_window: the window, in tokens; the rest as :class:`QuantizedKVLayer`.
-    """
-
-    is_sliding = True
-
-    def __init__(self, config: KVQuantConfig, sliding_window: int, **kwargs):
-        self.sliding_window = sliding_window
-        super().__init__(config, **kwargs)
-
-    def get_max_length(self) -> int:
-        return self.sliding_window
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kv_offset = max(self.seq_len - self.sliding_window + 1, 0)
-        return min(self.seq_len, self.sliding_window - 1) + query_length, kv_offset
-
-    def history_begin(self) -> int:
-        return max(self.seq_len - (self.sliding_window - 1), 0)
-
-    def _evict(self) -> None:
-        keep_from = self.history_begin()
-        for tier in self.tiers:
-            tier.evict_before(keep_from)
-        if self.sinks is not None and self.sinks.held and keep_from >= self.pads_max + self.sinks.n:
-            self.sinks.drop()  # every sink token has left the window
-
-    def _after_append(self) -> None:
-        if not self.record_past:
-            self._evict()
-
-    def _check_crop(self, new_len: int) -> None:
-        if new_len < self.seq_len and max(new_len - (self.sliding_window - 1), 0) < self.store_begin:
-            raise RuntimeError(
-                "crop: this sliding-window layer no longer holds the positions needed after the crop; "
-                "call activate_past_recording() before generating if you need to roll back"
-            )
-
-    def _after_crop(self) -> None:
-        self._evict()
-
-
-KV_LAYERS = (QuantizedKVLayer, HeadSplitLayer)  # the layers of a KVQuantCache that store keys / values
-
-
-def _plain_layer(config: KVQuantConfig, sliding_window: int | None, **kwargs) -> QuantizedKVLayer:
-    if sliding_window is None:
-        return QuantizedKVLayer(config, **kwargs)
-    return SlidingKVLayer(config, sliding_window, **kwargs)
-
-
-def make_layer(
-    config: KVQuantConfig,
-    sliding_window: int | None = None,
-    *,
-    layer_idx: int | None = None,
-    kv_heads: int | None = None,
-    **kwargs,
-) -> QuantizedKVLayer | SlidingKVLayer | HeadSplitLayer:
-    """The layer for model layer ``layer_idx``: sliding when ``sliding_window`` is set; with the
-    config's key map for that layer (:func:`kvquant.key_map.load_key_map`, read once per file) when it
-    has one, which needs ``layer_idx``; a :class:`~kvquant.cache.head_split.HeadSplitLayer` of
-    ``kv_heads`` heads when the config has head overrides (``heads``), which needs ``kv_heads``."""
-    if config.key_map is not None and "key_map" not in kwargs:
-        if layer_idx is None:
-            raise ValueError("layer_idx: a config with a key_map needs the layer's index to pick its map")
-        kwargs["key_map"] = layer_map(load_key_map(config.key_map), layer_idx, config.key_map)
-    if config.heads:
-        if kv_heads is None:
-            raise ValueError("kv_heads: a config with head overrides (heads) needs the layer's KV heads")
-        groups = config.head_groups(kv_heads)
-        if len(groups) > 1:
-            return HeadSplitLayer(config, kv_heads, sliding_window, _plain_layer, **kwargs)
-        config = groups[0][1]  # every head alike
-    return _plain_layer(config, sliding_window, **kwargs)

@@ -9,6 +9,7 @@ only add rows past a read's end or move into new buffers, and the dense block is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,3 +138,68 @@ class KVView:
         parts_k.append(self.fp_k[:, :, self.n_sinks :])  # the tail, then the call's tokens
         parts_v.append(self.fp_v[:, :, self.n_sinks :])
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+
+@functools.lru_cache(maxsize=256)
+def _same_start(b: int, index: int, device: torch.device) -> torch.Tensor:
+    """``[b]`` int64 filled with ``index``: a read's start when no row is padded (read-only: shared
+    by every layer and step that asks for the same value)."""
+    return torch.full((b,), index, dtype=torch.long, device=device)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` concatenated on the token axis, always a copy of the cache's own buffers (the tail
+    shifts at the next append); the call's tokens (the last part) alone are used as they are."""
+    if parts[-1].shape[2] and not any(p.shape[2] for p in parts[:-1]):
+        return parts[-1]
+    return torch.cat(parts, 2)
+
+
+def view_of(layer, k: torch.Tensor, v: torch.Tensor) -> KVView:
+    """A :class:`KVView` of ``layer``'s history (a :class:`~kvquant.cache.layer.QuantizedKVLayer`)
+    before the call's ``k, v [B, H, q, D]`` are appended: its tiers as reads, its sinks, tail and
+    ``k, v`` as one dense block."""
+    begin, store_end = layer.history_begin(), layer.store_end
+    sinks = layer.sinks is not None and layer.sinks.held
+    n_s = layer.sinks.n if sinks else 0
+    first = None if layer.pads_max == 0 else layer.pads + n_s  # [B] first position neither padding nor sink
+    reads, lo = [], begin
+    for tier in layer.tiers:
+        p0, p1 = max(lo, tier.begin), tier.end
+        if p1 > p0:
+            if first is None:  # no padding: one start for every row, a shared constant tensor
+                start = _same_start(layer.pads.shape[0], max(n_s, p0) - tier.origin, layer.device)
+            else:
+                start = torch.clamp(first, min=p0) - tier.origin  # [B]
+            reads.append(QuantizedRead(*tier.operands(), p0, p1, tier.origin, start))
+        lo = max(lo, p1)
+    tail_k, tail_v = layer.tail.read(begin)  # views: the one copy is the cat below
+    with_sinks = sinks and begin < store_end
+    fp_k, fp_v = [tail_k, k], [tail_v, v]
+    if with_sinks:
+        fp_k.insert(0, layer.sinks.k)
+        fp_v.insert(0, layer.sinks.v)
+    all_valid = layer.pads_max == 0 and begin == 0 and (not with_sinks or layer.sinks.n <= store_end)
+    valid = None
+    if not all_valid:  # [B, n]: padding, and sinks outside the visible history, do not count
+        tail_pos = torch.arange(max(begin, store_end), layer.seq_len, device=layer.device)
+        parts = [layer.sinks.valid(begin, store_end, layer.pads)] if with_sinks else []
+        valid = torch.cat(parts + [tail_pos[None, :] >= layer.pads[:, None]], 1)
+    return KVView(
+        new_k=k,
+        new_v=v,
+        seq_before=layer.seq_len,
+        hist_begin=begin,
+        reads=reads,
+        fp_k=_joined(fp_k),  # [B, H, s + t + q, D]
+        fp_v=_joined(fp_v),
+        n_sinks=layer.sinks.n if with_sinks else 0,
+        dense_valid=valid,
+        pads=layer.pads,
+        transform=layer.transform,
+        # the sinks as they are now: a sliding layer may drop them in this call's append
+        sinks_back=functools.partial(
+            layer._sinks_back, sinks=(layer.sinks.k, layer.sinks.v) if sinks else None
+        ),
+        plans=layer.plans,
+    )

@@ -438,7 +438,7 @@ def _probe_batch(
     tensor of its layer (of its head) is quantized."""
     from transformers import Cache, DynamicLayer
 
-    from kvquant.cache.layer import make_layer
+    from kvquant.cache.factory import make_layer
     from kvquant.eval.quality import kl_per_prediction
 
     w, g_count = calib.ids.shape[0], len(jobs)
@@ -493,7 +493,7 @@ def stored_error(
     """Squared error of ``which`` (keys / values) of ``layer``'s prefix (of KV head ``head`` alone,
     when given) as the cache stores them in ``fmt`` (every tier: sinks, main store, recent window,
     residual), summed over the windows."""
-    from kvquant.cache.layer import make_layer
+    from kvquant.cache.factory import make_layer
 
     k, v = calib.kv[layer]
     cfg = probe_config(base, which, fmt, main_only, head)

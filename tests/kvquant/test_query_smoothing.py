@@ -10,7 +10,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvquant import KVQuantCache, KVQuantConfig
-from kvquant.cache.layer import make_layer
+from kvquant.cache.factory import make_layer
 from kvquant.models import tiny_model
 from kvquant.query_scales import (
     QUERY_EXPONENT_PLAIN,
