@@ -348,7 +348,10 @@ PINNED = {  # what the low-bit presets are; a change here is a change of a measu
     "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16, **_G64),
     "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8, **_PROBED),
     "k3v2": dict(key_format="nuq3", value_format="nuq2", residual_length=8, **_PROBED),
-    "nuq2": dict(key_format="nuq2", value_format="nuq2", residual_length=8, **_PROBED),
+    # 2-bit codebook keys with one scale per head vector need 6 layers' worth of retrieval heads
+    "nuq2": dict(
+        key_format="nuq2", value_format="nuq2", residual_length=8, **{**_PROBED, "retrieval_layers": 6}
+    ),
     "k3v2-recent": dict(key_format="nuq3", value_format="nuq2", recent_length=64, **_RECENT, **_PROBED),
     "nuq2-recent": dict(key_format="nuq2", value_format="nuq2", **_RECENT_2BIT, **_PROBED),
     "tcq3v2-recent": dict(
