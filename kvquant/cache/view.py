@@ -5,6 +5,9 @@ tiers as :class:`QuantizedRead` (codes and scales read in place by the decode op
 full-precision tokens (sinks, tail) as one dense block, plus the key transform they were stored
 with. Nothing in it changes when the layer appends the call's tokens afterwards: quantized tiers
 only add rows past a read's end or move into new buffers, and the dense block is a copy.
+
+:func:`view_of` builds one from a :class:`~kvquant.cache.layer.QuantizedKVLayer`'s tiers (its
+``view``).
 """
 
 from __future__ import annotations
