@@ -3,6 +3,7 @@
 - :mod:`kvquant.cache.kv_cache`: ``KVQuantCache`` (a ``transformers.Cache``)
 - :mod:`kvquant.cache.factory`: ``make_layer``, the layer a model layer gets from its config
 - :mod:`kvquant.cache.layer`: ``QuantizedKVLayer``, a pipeline of tiers
+- :mod:`kvquant.cache.edits`: ``LayerEdits``, crop and the row edits of beam / batched search
 - :mod:`kvquant.cache.sliding`: ``SlidingKVLayer``, which drops what no later query sees
 - :mod:`kvquant.cache.state_checks`: what an ``update`` accepts
 - :mod:`kvquant.cache.head_split`: ``HeadSplitLayer``, a layer whose KV heads differ in format

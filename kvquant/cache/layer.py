@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvquant.cache.edits import LayerEdits
 from kvquant.cache.segments import UPFRONT_TOKENS, QuantizedSegment, SinkSegment, TailSegment
 from kvquant.cache.state_checks import check_layout
 from kvquant.cache.store import TokenStore
@@ -27,7 +28,7 @@ from kvquant.kernels import ops
 from kvquant.transforms import KeyTransform
 
 
-class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
+class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
     """Quantized cache layer of a full-attention layer (see the module docstring).
 
     Args:
@@ -332,74 +333,6 @@ class QuantizedKVLayer(DequantizedKV, CacheLayerMixin):
 
     def activate_past_recording(self) -> None:
         self.record_past = True
-
-    def _check_crop(self, new_len: int) -> None:
-        """Hook: refuse a crop the layer cannot honour (a sliding layer that dropped the positions)."""
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` positions (transformers passes a count <= 0).
-
-        Positions still in the tail are simply forgotten; stored ones too, except that on the channel
-        axis the kept part of a partial block is dequantized back into the tail (its block scale
-        covered tokens that are now gone).
-        """
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"tokens_to_remove: crop takes a count <= 0 of tokens to remove, got {tokens_to_remove}"
-            )
-        if not self.is_initialized:
-            return
-        new_len = max(self.seq_len + tokens_to_remove, 0)
-        self._check_crop(new_len)
-        if new_len >= self.store_end:
-            self.tail.crop(new_len)
-        else:
-            origin = self.main.origin
-            block = self.main.block  # tokens sharing a scale row (channel axis), else 1
-            aligned = max(origin + (new_len - origin) // block * block, self.store_begin)
-            k, v = self.read(aligned, new_len)
-            for tier in self.tiers:
-                tier.crop(aligned)
-            self.tail.reset(aligned, k, v)
-        self.seq_len = new_len
-        self.plans.clear()
-        self._after_crop()
-
-    def _after_crop(self) -> None:
-        """Hook for subclasses (a sliding layer evicts here)."""
-
-    def _map_batch(self, fn) -> None:
-        if not self.is_initialized:
-            return
-        self.plans.clear()
-        for part in (*self.tiers, self.tail, self.transform):
-            part.map_batch(fn)
-        if self.sinks is not None:
-            self.sinks.map_batch(fn)
-        self.pads = fn(self.pads)
-        self.pads_max = int(self.pads.max()) if self.pads.numel() else 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: reorder rows of codes, scales, tail and sinks (no dequantize / requantize)."""
-        if self.is_initialized:
-            if beam_idx.dim() != 1 or beam_idx.shape[0] != self.batch_size:
-                raise ValueError(
-                    f"beam_idx: expected one index per cached row ({self.batch_size}), got shape {tuple(beam_idx.shape)}"
-                )
-            idx = beam_idx.to(self.device)
-            self._map_batch(lambda t: t.index_select(0, idx))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
-
-    def offload(self):  # the store's buffers are not the `keys` / `values` attributes
-        return None
-
-    def prefetch(self):
-        return None
 
     # ------------------------------------------------------------------------------------ memory
 
