@@ -143,7 +143,7 @@ def _num_stages(k_read, v_read) -> int | None:
     else Triton's default (``None``). With Triton's default the table formats' kernels hold several
     pipelined fp32 tiles in shared memory (one program per SM) and ran slower on an H200; one 3-bit
     trellis build also gave wrong outputs there with the default and right ones with 1 stage. The
-    measurements are in the README (GPU section)."""
+    measurements are in docs/measured.md ("First GPU runs")."""
     return 1 if k_read.lut or v_read.lut else None
 
 

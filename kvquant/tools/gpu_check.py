@@ -303,7 +303,7 @@ def run_generate(
     dev = torch.device(device)
     if dev.type == "cuda":
         # cuDNN's SDPA took ~7.6 ms of host time per decode call on an H200 with torch 2.11 (the key
-        # length changes every step) and made DynamicCache host-bound (profile in the README);
+        # length changes every step) and made DynamicCache host-bound (profile in docs/measured.md);
         # flash / memory-efficient SDPA remain.
         torch.backends.cuda.enable_cudnn_sdp(False)
     shape = dict(TINY if tiny else FULL)
