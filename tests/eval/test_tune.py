@@ -22,8 +22,6 @@ from kvquant.tools.commands.tune import _TUNE_MENU
 from kvquant.tools.tune import (
     DEFAULT_BASE,
     MENU,
-    _layer_cfg,
-    _probe_batch,
     allocate,
     build_config,
     check_pins,
@@ -34,6 +32,8 @@ from kvquant.tools.tune import (
     tensor_costs,
     tune,
 )
+from kvquant.tools.tune.costs import _layer_cfg
+from kvquant.tools.tune.probes import _probe_batch
 
 # a base the tiny windows (48 + 12 tokens) exercise in every tier
 BASE = dataclasses.replace(DEFAULT_BASE, recent_length=8, sink_tokens=2, residual_length=2)

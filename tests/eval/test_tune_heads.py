@@ -10,7 +10,8 @@ import torch
 from kvquant import KVQuantCache
 from kvquant.cache import HeadSplitLayer
 from kvquant.models import tiny_model
-from kvquant.tools.tune import DEFAULT_BASE, _probe_batch, build_config, config_bits, decode_kl, prefill, tune
+from kvquant.tools.tune import DEFAULT_BASE, build_config, config_bits, decode_kl, prefill, tune
+from kvquant.tools.tune.probes import _probe_batch
 
 BASE = dataclasses.replace(DEFAULT_BASE, recent_length=8, sink_tokens=2, residual_length=2)
 MENU = ("tcq2", "tcq3", "nuq4")
