@@ -348,12 +348,14 @@ PINNED = {  # what the low-bit presets are; a change here is a change of a measu
     "nuq4": dict(key_format="nuq4", value_format="nuq4", residual_length=16, **_G64),
     "nuq3": dict(key_format="nuq3", value_format="nuq3", residual_length=8, **_PROBED),
     "k3v2": dict(key_format="nuq3", value_format="nuq2", residual_length=8, **_PROBED),
-    # 2-bit codebook keys with one scale per head vector need 6 layers' worth of retrieval heads
+    # the 2-bit codebook presets need 6 layers' worth of retrieval heads (passkey at 4k on SmolLM2)
     "nuq2": dict(
         key_format="nuq2", value_format="nuq2", residual_length=8, **{**_PROBED, "retrieval_layers": 6}
     ),
     "k3v2-recent": dict(key_format="nuq3", value_format="nuq2", recent_length=64, **_RECENT, **_PROBED),
-    "nuq2-recent": dict(key_format="nuq2", value_format="nuq2", **_RECENT_2BIT, **_PROBED),
+    "nuq2-recent": dict(
+        key_format="nuq2", value_format="nuq2", **_RECENT_2BIT, **{**_PROBED, "retrieval_layers": 6}
+    ),
     "tcq3v2-recent": dict(
         key_format="tcq3", value_format="tcq2", recent_length=64, **_G64, **_RECENT, **_PROBED
     ),
