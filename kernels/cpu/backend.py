@@ -23,18 +23,22 @@ from kvquant.kernels.cpu.binding import (
     QUANTIZE_FORMATS,
     TRELLIS_FORMATS,
     NativeDecode,
-    NativeTranscode,
-    NativeWrite,
     decode_attention_native,
-    dequantize_native,
-    quantize_into,
-    rotate_native,
-    rotate_pair_native,
-    transcode_native,
-    trellis_encode_native,
     writes_head,
 )
 from kvquant.kernels.cpu.build import native_available, native_error
+from kvquant.kernels.cpu.rowwise import (
+    dequantize_native,
+    rotate_native,
+    rotate_pair_native,
+)
+from kvquant.kernels.cpu.writes import (
+    NativeTranscode,
+    NativeWrite,
+    quantize_into,
+    transcode_native,
+    trellis_encode_native,
+)
 
 
 class CpuBackend(Backend):
