@@ -124,7 +124,7 @@ PREFIX, SCORED = 256, 64
 KL_4_TO_5_BITS = 0.01
 
 # Mean KL of each preset on the embedded SmolLM2 (WikiText-2, decode mode, 4 x (1,024 + 64) tokens) as
-# issue 16 took them: README "Measured", quality table, at f4e4879; kivi2, fp8-e5m2 and none from
+# issue 16 took them: README "Measured", quality table, at f4e4879 (now in docs/measured.md); kivi2, fp8-e5m2 and none from
 # eval/README.md "Reference run". int8, k8v4, int4 and int4-rot are their numbers before they took
 # on key smoothing (which lowered them on the embedded model too): a reference, not to be lowered
 # when a preset gets better there. A new preset adds its own row.
