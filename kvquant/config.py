@@ -23,55 +23,9 @@ from typing import Any
 import torch
 import yaml
 
-from kvquant.formats import AXES, FORMAT_NAMES, SCALE_DTYPES, format_spec
-
-ROTATIONS = ("none", "hadamard")
-SMOOTHINGS = ("none", "mean", "channel", "auto", "query")
-# fields a layer override may change (everything but the overrides themselves and the name)
-_OVERRIDABLE = (
-    "key_format",
-    "value_format",
-    "key_axis",
-    "key_group_size",
-    "value_group_size",
-    "rotation",
-    "smoothing",
-    "sink_tokens",
-    "residual_length",
-    "quantize_block",
-    "recent_length",
-    "recent_key_format",
-    "recent_value_format",
-    "scale_dtype",
-    "heads",
-)
-# what a head override may change: the same, but not the head overrides themselves
-_HEAD_OVERRIDABLE = tuple(f for f in _OVERRIDABLE if f != "heads")
-RETRIEVAL_UNITS = ("layer", "head")
-
-
-def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{field_name}: invalid value {value!r}; allowed: {allowed}")
-
-
-def _check_overrides(cfg: Any, name: str, overrides: Any, allowed: tuple[str, ...], keys: str) -> None:
-    """``overrides`` (``{index: {field: value}}``: ``heads``, ``layer_overrides``) checked: integer
-    indices (``heads``: >= 0), mappings of ``allowed`` fields, values ``cfg`` accepts."""
-    if not isinstance(overrides, dict):
-        raise _bad(
-            name,
-            overrides,
-            f"a mapping {{{'kv_head' if name == 'heads' else 'layer'}_index: {{field: value}}}}",
-        )
-    for idx, over in overrides.items():
-        if not isinstance(idx, int) or isinstance(idx, bool) or (name == "heads" and idx < 0):
-            raise _bad(name, idx, keys)
-        if not isinstance(over, dict):
-            raise _bad(f"{name}[{idx}]", over, "a mapping {field: value}")
-        unknown = set(over) - set(allowed)
-        if unknown:
-            raise _bad(f"{name}[{idx}]", sorted(unknown)[0], ", ".join(allowed))
-        dataclasses.replace(cfg, **{"layer_overrides": {}, "heads": {}, **over})  # validates the values
+# (the allowed values are re-exported: kvquant.config is where callers look for them)
+from kvquant.config_checks import RETRIEVAL_UNITS, ROTATIONS, SMOOTHINGS, check_fields  # noqa: F401
+from kvquant.formats import SCALE_DTYPES
 
 
 def _dividing(group: int, head_dim: int) -> int:
@@ -179,87 +133,7 @@ class KVQuantConfig:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for f in ("key_format", "value_format"):
-            v = getattr(self, f)
-            if v not in FORMAT_NAMES:
-                raise _bad(f, v, ", ".join(FORMAT_NAMES))
-        if self.key_axis not in AXES:
-            raise _bad("key_axis", self.key_axis, ", ".join(AXES))
-        for f in ("key_group_size", "value_group_size"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise _bad(f, v, "a positive integer or null (whole head)")
-        if self.key_axis == "channel" and self.key_group_size is None:
-            raise _bad(
-                "key_group_size", None, "a positive integer (tokens per block) when key_axis is 'channel'"
-            )
-        if self.key_axis == "channel" and format_spec(self.key_format).token_axis_only:
-            raise _bad("key_axis", self.key_axis, f"'token' for the key_format {self.key_format}")
-        if self.rotation not in ROTATIONS:
-            raise _bad("rotation", self.rotation, ", ".join(ROTATIONS))
-        if self.smoothing not in SMOOTHINGS:
-            raise _bad("smoothing", self.smoothing, ", ".join(SMOOTHINGS))
-        for f in ("sink_tokens", "residual_length", "recent_length"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise _bad(f, v, "an integer >= 0")
-        q = self.quantize_block
-        if not isinstance(q, int) or isinstance(q, bool) or q < 1:
-            raise _bad("quantize_block", q, "an integer >= 1")
-        if q != 1 and self.key_axis == "channel":
-            raise _bad(
-                "quantize_block",
-                q,
-                "1 when key_axis is 'channel' (it quantizes key_group_size tokens at once)",
-            )
-        for f in ("recent_key_format", "recent_value_format"):
-            v = getattr(self, f)
-            if v not in FORMAT_NAMES or v == "none":
-                raise _bad(f, v, ", ".join(n for n in FORMAT_NAMES if n != "none"))
-        if self.recent_length and self.key_axis != "token":
-            raise _bad("recent_length", self.recent_length, "0 when key_axis is 'channel'")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise _bad("scale_dtype", self.scale_dtype, ", ".join(SCALE_DTYPES))
-        if self.key_map is not None and (not isinstance(self.key_map, str) or not self.key_map):
-            raise _bad(
-                "key_map", self.key_map, "a shipped key map's name or a file path (a non-empty string)"
-            )
-        if self.key_map is not None and self.smoothing == "query":
-            raise _bad(
-                "smoothing",
-                self.smoothing,
-                "none, mean, channel or auto with a key_map (a key map weighs the keys by the queries "
-                "itself)",
-            )
-        if self.static_scales is not None:
-            for f in ("key_format", "value_format"):
-                if not format_spec(getattr(self, f)).takes_static_scale:
-                    raise _bad(
-                        f, getattr(self, f), "int8, fp8_e4m3, fp8_e5m2 or none when static_scales is set"
-                    )
-            if self.key_axis != "token":
-                raise _bad("key_axis", self.key_axis, "'token' when static_scales is set")
-        r = self.retrieval_layers
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise _bad("retrieval_layers", r, "an integer >= 0")
-        if self.retrieval_format not in FORMAT_NAMES:
-            raise _bad("retrieval_format", self.retrieval_format, ", ".join(FORMAT_NAMES))
-        if r and self.key_axis == "channel" and format_spec(self.retrieval_format).token_axis_only:
-            raise _bad(
-                "retrieval_format",
-                self.retrieval_format,
-                "a format the channel axis can store (e.g. int4) when key_axis is 'channel'",
-            )
-        if self.retrieval_unit not in RETRIEVAL_UNITS:
-            raise _bad("retrieval_unit", self.retrieval_unit, ", ".join(RETRIEVAL_UNITS))
-        _check_overrides(self, "heads", self.heads, _HEAD_OVERRIDABLE, "KV head indices: integers >= 0")
-        _check_overrides(
-            self,
-            "layer_overrides",
-            self.layer_overrides,
-            _OVERRIDABLE,
-            "integer layer indices (negative counts from the end)",
-        )
+        check_fields(self)
 
     # ------------------------------------------------------------------------------------ derived
 
