@@ -1,6 +1,6 @@
 """The dispatch of :mod:`kvquant.kernels.ops`: the backends in order of preference, which of them
 supports a call (from its record, :mod:`kvquant.kernels.backend`; memoised), the one a call runs on
-(:func:`_pick`, or forced with ``backend=``), and :func:`backend_for`, the same from a description.
+(:func:`pick`, or forced with ``backend=``), and :func:`backend_for`, the same from a description.
 
 Example:
     >>> backend_for("decode_attention", fmt="none", head_dim=64, device="cpu")
@@ -39,7 +39,7 @@ def backends() -> tuple[Backend, ...]:
     return (triton, cpu, chunked, reference)
 
 
-def _unsupported(backend: Backend, op: str, call, forced: bool) -> str | None:
+def why_unsupported(backend: Backend, op: str, call, forced: bool) -> str | None:
     """None when ``backend`` supports ``call`` of ``op`` (device and capability), else why not."""
     on_device = call.device in backend.devices
     if not on_device and forced and backend.interpretable:
@@ -72,15 +72,15 @@ _RECORDS = {
 
 
 @functools.lru_cache(maxsize=1024)
-def _supporting(op: str, fields: tuple) -> tuple[Backend, ...]:
+def supporting(op: str, fields: tuple) -> tuple[Backend, ...]:
     """The backends that support the call of ``op`` described by ``fields`` (its record's fields, in
     order), in order: a pure function of the description, memoised, so a decode step pays one
     dictionary lookup per op instead of building a record and asking every backend."""
     call = _RECORDS[op](*fields)
-    return tuple(b for b in backends() if _unsupported(b, op, call, forced=False) is None)
+    return tuple(b for b in backends() if why_unsupported(b, op, call, forced=False) is None)
 
 
-def _pick(op: str, fields: tuple, backend: str | None) -> Iterator[Backend]:
+def pick(op: str, fields: tuple, backend: str | None) -> Iterator[Backend]:
     """The backends to try for a call in order, checked lazily (the forced one alone). Availability
     (e.g. the C library built) is asked at every call, after support: it may build the library."""
     if backend is not None:
@@ -89,11 +89,11 @@ def _pick(op: str, fields: tuple, backend: str | None) -> Iterator[Backend]:
         if backend not in names:
             raise ValueError(f"backend: unknown backend {backend!r}; allowed: {', '.join(names)}")
         (b,) = [b for b in backends() if b.name == backend]
-        reason = _unsupported(b, op, call, forced=True) or b.available()
+        reason = why_unsupported(b, op, call, forced=True) or b.available()
         if reason is not None:
             raise ValueError(f"backend: {backend} cannot run this {op} ({reason})")
         return iter([b])
-    return (b for b in _supporting(op, fields) if b.available() is None)
+    return (b for b in supporting(op, fields) if b.available() is None)
 
 
 def backend_for(op_name: str, **call) -> str:
@@ -168,12 +168,12 @@ def backend_for(op_name: str, **call) -> str:
         raise ValueError(f"call: unknown fields for {op_name}: {', '.join(sorted(call))}")
     fields = tuple(getattr(desc, f.name) for f in record_fields(desc))
     if op_name == "transcode":  # no backend moves the rows in one call: its two ops, on theirs
-        movers = list(_pick(op_name, fields, None))
+        movers = list(pick(op_name, fields, None))
         if not movers:
             read, write = desc.parts()
             return "+".join(
-                next(_pick(op, tuple(getattr(c, f.name) for f in record_fields(c)), None)).name
+                next(pick(op, tuple(getattr(c, f.name) for f in record_fields(c)), None)).name
                 for op, c in (("dequantize", read), ("quantize_append", write))
             )
         return movers[0].name
-    return next(_pick(op_name, fields, None)).name
+    return next(pick(op_name, fields, None)).name

@@ -36,7 +36,7 @@ from kvquant.kernels.backend import (
     check_finite,
     raise_deferred,
 )
-from kvquant.kernels.dispatch import OPS, _pick, _supporting, _unsupported, backend_for, backends
+from kvquant.kernels.dispatch import OPS, backend_for, backends, pick, supporting, why_unsupported
 from kvquant.kernels.reference import dense_decode_attention_ref, merge_attention
 
 # --------------------------------------------------------------------------------------------- quantize
@@ -80,7 +80,7 @@ def quantize_append(
     g = d if group_size is None else group_size
     call = (fmt, d, x.device.type, g, axis, None if scale is None else scale.dtype, bool(static_scale))
     kw = dict(fmt=fmt, group_size=group_size, axis=axis, static_scale=bool(static_scale))
-    for b in _pick("quantize_append", call, backend):
+    for b in pick("quantize_append", call, backend):
         if b.quantize_append(x, codes, scale, zero, index, **kw):
             return
     # every backend refused these values: the reference raises the spec's error
@@ -115,7 +115,7 @@ def plan_quantize_append(
     sdt = None if scale is None else scale.dtype
     call = (fmt, head_dim, codes.device.type, g, axis, sdt, bool(static_scale))
     kw = dict(fmt=fmt, group_size=group_size, axis=axis, static_scale=bool(static_scale))
-    b = next(_pick("quantize_append", call, backend), None)
+    b = next(pick("quantize_append", call, backend), None)
     write = None if b is None else b.plan_quantize(codes, scale, zero, **kw)
 
     def run(x: torch.Tensor, index: int) -> None:
@@ -134,10 +134,10 @@ def _reads_segments(b: Backend, extra: tuple[SegmentRead, ...], d: int, device: 
         return False
     if forced:
         return all(
-            _unsupported(b, "decode_attention", DecodeCall(*s.call_fields(d, device)), True) is None
+            why_unsupported(b, "decode_attention", DecodeCall(*s.call_fields(d, device)), True) is None
             for s in extra
         )
-    return all(b in _supporting("decode_attention", s.call_fields(d, device)) for s in extra)
+    return all(b in supporting("decode_attention", s.call_fields(d, device)) for s in extra)
 
 
 def _decode_fields(k_fmt, v_fmt, d, device, k_axis, k_group, v_group, k_scale, v_scale, fp) -> tuple:
@@ -200,7 +200,7 @@ def decode_attention(
     call = _decode_fields(
         k_fmt, v_fmt, q.shape[-1], q.device.type, k_axis, k_group, v_group, k_scale, v_scale, fp
     )
-    b = next(_pick("decode_attention", call, backend))
+    b = next(pick("decode_attention", call, backend))
     kw = dict(
         k_fmt=k_fmt,
         v_fmt=v_fmt,
@@ -285,7 +285,7 @@ def plan_decode_attention(
     call = _decode_fields(
         k_fmt, v_fmt, head_dim, device, k_axis, k_group, v_group, k_scale, v_scale, fp_tokens
     )
-    b = next(_pick("decode_attention", call, backend), None)
+    b = next(pick("decode_attention", call, backend), None)
     run = None
     if (
         b is not None
@@ -347,7 +347,7 @@ def dequantize(
     sdt = None if scale is None else scale.dtype
     fields = (fmt, head_dim, codes.device.type, axis, sdt)
     kw = dict(fmt=fmt, group=group, axis=axis, head_dim=head_dim)
-    return next(_pick("dequantize", fields, backend)).dequantize(codes, scale, zero, i0, i1, **kw)
+    return next(pick("dequantize", fields, backend)).dequantize(codes, scale, zero, i0, i1, **kw)
 
 
 def transcode(
@@ -385,14 +385,14 @@ def transcode(
     dsdt = None if d_scale is None else d_scale.dtype
     fields = (fmt, d_fmt, head_dim, codes.device.type, axis, sdt, d_axis, dsdt, bool(d_static))
     if backend is None:
-        movers = _pick("transcode", fields, None)
+        movers = pick("transcode", fields, None)
     else:  # forced: its own transcode where it has one, else its dequantize and quantize_append
         call = TranscodeCall(*fields)
         movers = [
             b
             for b in backends()
             if b.name == backend
-            and _unsupported(b, "transcode", call, True) is None
+            and why_unsupported(b, "transcode", call, True) is None
             and b.available() is None
         ]
     for b in movers:
@@ -436,7 +436,7 @@ def plan_transcode(
             None if d_scale is None else d_scale.dtype,
             bool(d_static),
         )
-        b = next(_pick("transcode", fields, None), None)
+        b = next(pick("transcode", fields, None), None)
         move = None if b is None else b.plan_transcode(src, dst, via=via, head_dim=head_dim)
 
     def run(i0: int, i1: int, index: int) -> None:
@@ -460,7 +460,7 @@ def encode(y: torch.Tensor, fmt: str, *, backend: str | None = None) -> torch.Te
     """
     if y.dim() != 2:
         raise ValueError(f"y: expected [N, D], got shape {tuple(y.shape)}")
-    return next(_pick("encode", (fmt, y.shape[-1], y.device.type), backend)).encode(y, fmt)
+    return next(pick("encode", (fmt, y.shape[-1], y.device.type), backend)).encode(y, fmt)
 
 
 # --------------------------------------------------------------------------------------------- rotate
@@ -487,7 +487,7 @@ def rotate(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     _check_rotation(d)
     if x.dtype != torch.float32:
         raise ValueError(f"x: rotate takes float32, got {x.dtype}")
-    return next(_pick("rotate", (d, x.device.type), backend)).rotate(x)
+    return next(pick("rotate", (d, x.device.type), backend)).rotate(x)
 
 
 def rotate_pair(
@@ -516,7 +516,7 @@ def rotate_pair(
             f"k, v: rotate_pair takes float32 [B, H, n, D] of one shape, got {tuple(k.shape)} {k.dtype} "
             f"and {tuple(v.shape)} {v.dtype}"
         )
-    return next(_pick("rotate_pair", (d, k.device.type), backend)).rotate_pair(k, v, mean, std)
+    return next(pick("rotate_pair", (d, k.device.type), backend)).rotate_pair(k, v, mean, std)
 
 
 __all__ = [

@@ -16,12 +16,12 @@ from kvquant.kernels.backend import (
     TranscodeCall,
 )
 from kvquant.kernels.cpu.binding import (
-    _SCALE_DTYPES,
-    _WRITTEN_SCALE_DTYPES,
     DECODE_FORMATS,
     MAX_HEAD_DIM,
     QUANTIZE_FORMATS,
+    SCALE_DTYPES,
     TRELLIS_FORMATS,
+    WRITTEN_SCALE_DTYPES,
     NativeDecode,
     decode_attention_native,
     writes_head,
@@ -62,7 +62,7 @@ class CpuBackend(Backend):
             return f"reads {', '.join(sorted(DECODE_FORMATS))}"
         if call.head_dim > MAX_HEAD_DIM:
             return f"head_dim up to {MAX_HEAD_DIM}"
-        if not set(call.scale_dtypes) <= set(_SCALE_DTYPES):
+        if not set(call.scale_dtypes) <= set(SCALE_DTYPES):
             return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
         return None
 
@@ -71,7 +71,7 @@ class CpuBackend(Backend):
             return f"writes {', '.join(sorted(QUANTIZE_FORMATS))}"
         if call.static_scale or not (call.axis == "token" or format_spec(call.fmt).integer):
             return "computed scales along the token axis (an integer format: also the channel axis)"
-        if call.scale_dtype not in _WRITTEN_SCALE_DTYPES:
+        if call.scale_dtype not in WRITTEN_SCALE_DTYPES:
             return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
         if not writes_head(call.fmt, call.head_dim):
             return "trellis codes: a head of at least one state, in whole bytes"
@@ -90,7 +90,7 @@ class CpuBackend(Backend):
             return f"reads {', '.join(sorted(DECODE_FORMATS))}"
         if call.head_dim > MAX_HEAD_DIM:
             return f"head_dim up to {MAX_HEAD_DIM}"
-        if call.scale_dtype not in _SCALE_DTYPES:
+        if call.scale_dtype not in SCALE_DTYPES:
             return "scales in fp32 / fp16 / bf16 / fp8_e4m3"
         return None
 

@@ -16,7 +16,7 @@ import math
 import torch
 
 from kvquant.formats import FORMAT_NAMES, format_spec
-from kvquant.kernels.cpu.build import _library, _Operand, native_error
+from kvquant.kernels.cpu.build import Operand, library, native_error
 from kvquant.kernels.reference import rotation_block
 
 MAX_HEAD_DIM = 512
@@ -28,7 +28,7 @@ def native_formats_ok(k_fmt: str, v_fmt: str, head_dim: int) -> bool:
     return k_fmt in DECODE_FORMATS and v_fmt in DECODE_FORMATS and head_dim <= MAX_HEAD_DIM
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+def elem_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """Element strides of dims 0..2, 0 where the dim broadcasts (size 1)."""
     st, sh = t.stride(), t.shape
     return (0 if sh[0] == 1 else st[0], 0 if sh[1] == 1 else st[1], 0 if sh[2] == 1 else st[2])
@@ -40,7 +40,7 @@ def _reads(spec) -> bool:
     return spec.has_scale and (spec.elementwise or spec.state_table() is not None)
 
 
-def _writer(spec) -> str | None:
+def writer_symbol(spec) -> str | None:
     """The C entry point that quantizes ``spec`` along the token axis: rounded integers
     (``kvq_quantize``), the scale search of a codebook (``kvq_quantize_codebook``), float8 codes
     (``kvq_quantize_fp8``), trellis codes with their scales (``kvq_quantize_trellis``); None where
@@ -58,10 +58,10 @@ def _writer(spec) -> str | None:
 
 # what kvq_decode reads, what the quantize kernels write and what kvq_trellis_encode searches
 DECODE_FORMATS = frozenset(n for n in FORMAT_NAMES if _reads(format_spec(n)))
-QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if _writer(format_spec(n)) is not None)
+QUANTIZE_FORMATS = frozenset(n for n in FORMAT_NAMES if writer_symbol(format_spec(n)) is not None)
 TRELLIS_FORMATS = frozenset(n for n in FORMAT_NAMES if format_spec(n).state_bits is not None)
-_SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
-_WRITTEN_SCALE_DTYPES = tuple(_SCALE_DTYPES)  # the quantize kernels round into each of these
+SCALE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # read
+WRITTEN_SCALE_DTYPES = tuple(SCALE_DTYPES)  # the quantize kernels round into each of these
 
 
 def writes_head(fmt: str, head_dim: int) -> bool:
@@ -73,16 +73,16 @@ def writes_head(fmt: str, head_dim: int) -> bool:
     return head_dim * spec.bits >= spec.state_bits and head_dim * spec.bits % 8 == 0
 
 
-def _operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
+def _operand(codes, scale, zero, fmt, group, axis, keep) -> Operand:
     """Describe one operand: pointers into the store's own buffers (no slice, no conversion; the
     kernel reads fp16 / bf16 scales itself). Tensors used go to ``keep``."""
     spec = format_spec(fmt)
     if codes.stride(-1) != 1:
         codes = codes.contiguous()
     keep.append(codes)
-    sb, sh, st = _strides(codes)  # 1-byte codes: element strides are byte strides
+    sb, sh, st = elem_strides(codes)  # 1-byte codes: element strides are byte strides
     lut = spec.lut() if spec.elementwise else spec.state_table()
-    op = _Operand(codes.data_ptr(), sb, sh, st)
+    op = Operand(codes.data_ptr(), sb, sh, st)
     op.bits, op.is_signed, op.n_groups, op.group = spec.bits, int(spec.signed), 1, 1
     op.state_codes = spec.state_codes
     op.fp8 = spec.triton_read().fp8  # 1 e4m3fn, 2 e5m2: the AVX2 path widens them through fp16
@@ -94,14 +94,14 @@ def _operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
         op.channel_axis, op.group = 1, group
     else:
         op.n_groups = scale.shape[-1]
-    op.scale_dtype = _SCALE_DTYPES[scale.dtype]
+    op.scale_dtype = SCALE_DTYPES[scale.dtype]
     for name, t in (("scale", scale), ("zero", zero)):
         if t is None:
             continue
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             t = t.contiguous()
         keep.append(t)
-        sb, sh, st = _strides(t)
+        sb, sh, st = elem_strides(t)
         setattr(op, name, t.data_ptr())
         setattr(op, f"{name}_sb", sb)
         setattr(op, f"{name}_sh", sh)
@@ -109,7 +109,7 @@ def _operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
     return op
 
 
-_OPERANDS: dict[tuple, _Operand] = {}  # described operands by buffer address and layout (see below)
+_OPERANDS: dict[tuple, Operand] = {}  # described operands by buffer address and layout (see below)
 _OPERANDS_MAX = 512
 
 
@@ -118,22 +118,22 @@ def _in_place(t: torch.Tensor | None) -> bool:
     return t is None or t.stride(-1) == 1 or t.shape[-1] == 1
 
 
-def _cached_operand(codes, scale, zero, fmt, group, axis, keep) -> _Operand:
+def cached_operand(codes, scale, zero, fmt, group, axis, keep) -> Operand:
     """:func:`_operand` from token 0, memoised: a cache hands the kernel the same store buffers step
     after step (they change only when the store grows, moves or is reordered). The struct is a pure
     function of the key (format, and each buffer's address, shape, strides and dtype; the tables
     are the format's own, built once), so an entry stays right even if a freed buffer's address is
     reused by another of the same layout. Buffers that need a contiguous copy are not memoised."""
-    key = (fmt, group, axis, _layout(codes), _layout(scale), _layout(zero))
+    key = (fmt, group, axis, buffer_layout(codes), buffer_layout(scale), buffer_layout(zero))
     op = _OPERANDS.get(key)
     if op is None:
         if not (_in_place(codes) and _in_place(scale) and _in_place(zero)):  # (a function of the key)
             return _operand(codes, scale, zero, fmt, group, axis, keep)
-        op = _remember(_OPERANDS, key, _operand(codes, scale, zero, fmt, group, axis, []))
+        op = remember(_OPERANDS, key, _operand(codes, scale, zero, fmt, group, axis, []))
     return op
 
 
-def _remember(table: dict, key: tuple, value):
+def remember(table: dict, key: tuple, value):
     """Keep ``value`` under ``key`` in a memo of described buffers (emptied when it holds
     ``_OPERANDS_MAX``: stale entries are harmless, only memory); returns ``value``."""
     if len(table) >= _OPERANDS_MAX:
@@ -142,7 +142,7 @@ def _remember(table: dict, key: tuple, value):
     return value
 
 
-def _layout(t: torch.Tensor | None) -> tuple | None:
+def buffer_layout(t: torch.Tensor | None) -> tuple | None:
     """A buffer's address, shape, strides and dtype: what a described operand or write depends on."""
     return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
@@ -151,20 +151,20 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
 THREAD_MIN_WORK = 4096
 
 
-def _threads(work: int) -> int:
+def work_threads(work: int) -> int:
     """Threads for a call: torch's intra-op thread count for big enough work, else one."""
     return max(1, torch.get_num_threads()) if work >= THREAD_MIN_WORK else 1
 
 
-def _search_threads(rows: int) -> int:
+def search_threads(rows: int) -> int:
     """Threads for the trellis search of ``rows`` head vectors: one costs a long decode's worth per
     row, so threads as soon as there are rows to share."""
     return min(max(1, torch.get_num_threads()), max(rows, 1))
 
 
-def _write_threads(fmt: str, rows: int) -> int:
-    """Threads for quantizing ``rows`` head vectors into ``fmt`` (trellis: :func:`_search_threads`)."""
-    return _search_threads(rows) if fmt in TRELLIS_FORMATS else _threads(rows * 16)
+def write_threads(fmt: str, rows: int) -> int:
+    """Threads for quantizing ``rows`` head vectors into ``fmt`` (trellis: :func:`search_threads`)."""
+    return search_threads(rows) if fmt in TRELLIS_FORMATS else work_threads(rows * 16)
 
 
 class NativeDecode:
@@ -195,7 +195,7 @@ class NativeDecode:
         extra: tuple = (),
         rotation: bool = False,
     ):
-        lib = _library()
+        lib = library()
         if lib is None:
             raise RuntimeError(f"native CPU decode kernel unavailable: {native_error()}")
         for kf, vf in [(k_fmt, v_fmt)] + [(x.k_fmt, x.v_fmt) for x in extra]:
@@ -207,18 +207,18 @@ class NativeDecode:
         self._fn, self._d, self._hkv = lib.kvq_decode, head_dim, k_parts[0].shape[1]
         # the described buffers (and any contiguous copy) stay alive with the plan: it holds pointers
         self._keep: list = [*k_parts, *v_parts, *(t for x in extra for t in x.tensors())]
-        self._k = _cached_operand(*k_parts, k_fmt, k_group, k_axis, self._keep)
-        self._v = _cached_operand(*v_parts, v_fmt, v_group, "token", self._keep)
+        self._k = cached_operand(*k_parts, k_fmt, k_group, k_axis, self._keep)
+        self._v = cached_operand(*v_parts, v_fmt, v_group, "token", self._keep)
         self._n_x = n_x = len(extra)
         self._xk = self._xv = self._ends = None
         if extra:  # more segments (kernels.backend.SegmentRead), read in the same softmax
-            ks = [_cached_operand(*x.tensors()[:3], x.k_fmt, x.k_group, x.k_axis, self._keep) for x in extra]
-            vs = [_cached_operand(*x.tensors()[3:], x.v_fmt, x.v_group, "token", self._keep) for x in extra]
-            self._xk, self._xv = (_Operand * n_x)(*ks), (_Operand * n_x)(*vs)
+            ks = [cached_operand(*x.tensors()[:3], x.k_fmt, x.k_group, x.k_axis, self._keep) for x in extra]
+            vs = [cached_operand(*x.tensors()[3:], x.v_fmt, x.v_group, "token", self._keep) for x in extra]
+            self._xk, self._xv = (Operand * n_x)(*ks), (Operand * n_x)(*vs)
             self._ends = (ctypes.c_int64 * n_x)()
         self._scaling, self._softcap = float(scaling), 0.0 if softcap is None else float(softcap)
         self._rotation = 1.0 / math.sqrt(rotation_block(head_dim)) if rotation else 0.0
-        self._fp = (_Operand(bits=32, n_groups=1, group=1), _Operand(bits=32, n_groups=1, group=1))
+        self._fp = (Operand(bits=32, n_groups=1, group=1), Operand(bits=32, n_groups=1, group=1))
 
     def __call__(
         self,
@@ -274,7 +274,7 @@ class NativeDecode:
         rc = self._fn(
             qf.data_ptr(), b, self._hkv, hq // self._hkv, d, ctypes.byref(self._k), ctypes.byref(self._v),
             start.data_ptr(), end, self._scaling, self._softcap, out.data_ptr(), lse.data_ptr(),
-            _threads(b * self._hkv * end) if threads is None else threads,
+            work_threads(b * self._hkv * end) if threads is None else threads,
             fk, fv, None if valid is None else valid.data_ptr(), n_fp, self._xk, self._xv, xstart, xend,
             self._n_x, self._rotation,
         )  # fmt: skip
@@ -290,14 +290,14 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
         )
 
 
-def _fp_rows(x: torch.Tensor, op: _Operand) -> torch.Tensor:
+def _fp_rows(x: torch.Tensor, op: Operand) -> torch.Tensor:
     """Point ``op`` at full-precision rows ``x [B, Hkv, n, D]`` as 32-bit codes (byte strides, no
     scales); returns the fp32 tensor it points into (keep it alive for the call)."""
     x = x.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
     op.codes = x.data_ptr()
-    op.code_sb, op.code_sh, op.code_st = (4 * s for s in _strides(x))
+    op.code_sb, op.code_sh, op.code_st = (4 * s for s in elem_strides(x))
     return x
 
 

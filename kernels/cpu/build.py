@@ -37,7 +37,7 @@ CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fP
 _state: dict[str, object] = {}  # "lib": the loaded library, or "error": why there is none
 
 
-class _Operand(ctypes.Structure):
+class Operand(ctypes.Structure):
     """Mirror of ``kvq_operand`` in decode_cpu.c."""
 
     _fields_ = [
@@ -65,7 +65,7 @@ class _Operand(ctypes.Structure):
     ]
 
 
-class _Writer(ctypes.Structure):
+class Writer(ctypes.Structure):
     """Mirror of ``kvq_writer`` in quantize_cpu.c."""
 
     _fields_ = [
@@ -136,7 +136,7 @@ def _build(cc: str, flags: tuple[str, ...] = CFLAGS) -> Path:
 def _load(path: Path) -> ctypes.CDLL:
     """Open a built library and declare its entry points."""
     lib = ctypes.CDLL(str(path))
-    p, i64, op = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Operand)
+    p, i64, op = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Operand)
     fn = lib.kvq_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [p, i64, i64, i64, i64, op, op, p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
@@ -162,7 +162,7 @@ def _load(path: Path) -> ctypes.CDLL:
     dq = lib.kvq_dequantize
     dq.restype = None
     dq.argtypes = [op, i64, i64, i64, i64, i64, p]
-    wr, i32 = ctypes.POINTER(_Writer), ctypes.c_int
+    wr, i32 = ctypes.POINTER(Writer), ctypes.c_int
     kw = lib.kvq_write
     kw.restype = ctypes.c_int
     kw.argtypes = [wr, p, i64, i64, i64, i64, i64, i64, i64, i64, i32]
@@ -178,7 +178,7 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _library():
+def library():
     """The loaded kernel library, or None (the reason is logged once and kept in ``_state``)."""
     if "lib" in _state or "error" in _state:
         return _state.get("lib")
@@ -203,7 +203,7 @@ def _library():
 
 def native_available() -> bool:
     """Whether the native CPU decode kernel is built and loaded (builds it on first call)."""
-    return _library() is not None
+    return library() is not None
 
 
 def native_error() -> str | None:

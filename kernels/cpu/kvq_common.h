@@ -12,7 +12,7 @@
 #include <immintrin.h>
 #endif
 
-/* One quantized operand as a store holds it (mirrored by _Operand in build.py). */
+/* One quantized operand as a store holds it (mirrored by Operand in build.py). */
 typedef struct {
     const uint8_t *codes;             /* [B, H, T, W] bytes, rows start at token 0 of the slice */
     int64_t code_sb, code_sh, code_st;/* byte strides of batch, head, token (the W bytes are contiguous) */

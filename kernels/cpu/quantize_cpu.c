@@ -772,7 +772,7 @@ __attribute__((optimize("fp-contract=off"))) int kvq_quantize_trellis(
 }
 
 /* ---------------------------------------------------------------------------------------------
- * A store's write described once (mirrored by _Writer in build.py): its buffers at token 0 and
+ * A store's write described once (mirrored by Writer in build.py): its buffers at token 0 and
  * how its format quantizes, so a decode step's write is one call with the rows and an index.
  */
 typedef struct {

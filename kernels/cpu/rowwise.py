@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from kvquant.kernels.cpu.binding import _cached_operand, _threads
-from kvquant.kernels.cpu.build import _library
+from kvquant.kernels.cpu.binding import cached_operand, work_threads
+from kvquant.kernels.cpu.build import library
 from kvquant.kernels.reference import rotation_block
 
 
@@ -30,8 +30,8 @@ def rotate_native(x: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     n = rows.shape[0]
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)  # [n, D]
-    _library().kvq_rotate(
-        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, _hadamard_norm(d), _threads(n)
+    library().kvq_rotate(
+        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, _hadamard_norm(d), work_threads(n)
     )
     return out.view(x.shape)
 
@@ -47,7 +47,7 @@ def rotate_pair_native(k: torch.Tensor, v: torch.Tensor, mean: torch.Tensor | No
         v = v.contiguous()
     stats = [None if t is None else t.contiguous() for t in (mean, std)]
     out = torch.empty(2, b, h, n, d, dtype=torch.float32)
-    _library().kvq_rotate_pair(
+    library().kvq_rotate_pair(
         k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3], b, h, n, d,
         *(None if t is None else t.data_ptr() for t in stats), _hadamard_norm(d), out.data_ptr(),
     )  # fmt: skip
@@ -66,8 +66,8 @@ def dequantize_native(
     """Buffer indices ``[i0, i1)`` of a store's buffers dequantized in C -> fp32 ``[B, H, i1 - i0, D]``,
     bit for bit :func:`kvquant.kernels.reference.dequantize_ref`."""
     keep: list = []
-    op = _cached_operand(codes, scale, zero, fmt, group, axis, keep)
+    op = cached_operand(codes, scale, zero, fmt, group, axis, keep)
     b, h = codes.shape[:2]
     out = torch.empty(b, h, i1 - i0, head_dim, dtype=torch.float32)
-    _library().kvq_dequantize(ctypes.byref(op), b, h, i0, i1 - i0, head_dim, out.data_ptr())
+    library().kvq_dequantize(ctypes.byref(op), b, h, i0, i1 - i0, head_dim, out.data_ptr())
     return out

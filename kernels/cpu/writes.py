@@ -20,19 +20,19 @@ import torch
 from kvquant.formats import format_spec
 from kvquant.formats.trellis import TWO_PASS_FROM
 from kvquant.kernels.cpu.binding import (
-    _SCALE_DTYPES,
-    _WRITTEN_SCALE_DTYPES,
     QUANTIZE_FORMATS,
-    _cached_operand,
-    _layout,
-    _remember,
-    _search_threads,
-    _strides,
-    _write_threads,
-    _writer,
+    SCALE_DTYPES,
+    WRITTEN_SCALE_DTYPES,
+    buffer_layout,
+    cached_operand,
+    elem_strides,
+    remember,
+    search_threads,
+    write_threads,
+    writer_symbol,
     writes_head,
 )
-from kvquant.kernels.cpu.build import _library, _Writer
+from kvquant.kernels.cpu.build import Writer, library
 
 
 def native_quantizes(store, x: torch.Tensor) -> bool:
@@ -45,8 +45,8 @@ def native_quantizes(store, x: torch.Tensor) -> bool:
         and store.static_scale is None
         and store.fmt in QUANTIZE_FORMATS
         and writes_head(store.fmt, x.shape[-1])
-        and store.scale_dtype in _WRITTEN_SCALE_DTYPES
-        and _library() is not None
+        and store.scale_dtype in WRITTEN_SCALE_DTYPES
+        and library() is not None
     )
 
 
@@ -76,21 +76,21 @@ _WRITER_KINDS = {
     "kvq_quantize_fp8": 2,
     "kvq_quantize_trellis": 3,
 }
-_WRITERS: dict[tuple, _Writer] = {}  # described writes by buffer address and layout (see _cached_writer)
+_WRITERS: dict[tuple, Writer] = {}  # described writes by buffer address and layout (see _cached_writer)
 
 
-def _writer_of(codes, scale, zero, fmt: str, block: int = 1) -> _Writer:
+def _writer_of(codes, scale, zero, fmt: str, block: int = 1) -> Writer:
     """Describe the writes into one store's buffers (at token 0): pointers, strides and the
     format's constants and tables (built once per format, kept alive by their caches); ``block``:
     tokens per scale row (an integer format's channel-axis keys), else 1."""
     spec = format_spec(fmt)
-    w = _Writer(codes.data_ptr(), *_strides(codes))
+    w = Writer(codes.data_ptr(), *elem_strides(codes))
     w.block = block
     w.scale = scale.data_ptr()
     w.zero = None if zero is None else zero.data_ptr()
-    w.ssb, w.ssh, w.sst = _strides(scale)
-    w.kind = _WRITER_KINDS[_writer(spec)]
-    w.scale_dtype, w.n_groups = _SCALE_DTYPES[scale.dtype], scale.shape[-1]
+    w.ssb, w.ssh, w.sst = elem_strides(scale)
+    w.kind = _WRITER_KINDS[writer_symbol(spec)]
+    w.scale_dtype, w.n_groups = SCALE_DTYPES[scale.dtype], scale.shape[-1]
     w.bits, w.is_signed = spec.bits, int(spec.signed)
     if w.kind == 1:
         levels, grid = _codebook_tables(fmt)
@@ -102,13 +102,13 @@ def _writer_of(codes, scale, zero, fmt: str, block: int = 1) -> _Writer:
     return w
 
 
-def _cached_writer(codes, scale, zero, fmt: str, block: int = 1) -> _Writer:
-    """:func:`_writer_of`, memoised as :func:`_cached_operand` is: a pure function of the format, the
+def _cached_writer(codes, scale, zero, fmt: str, block: int = 1) -> Writer:
+    """:func:`_writer_of`, memoised as :func:`cached_operand` is: a pure function of the format, the
     block and each buffer's address, shape, strides and dtype (a store writes into the same buffers
     step after step)."""
-    key = (fmt, block, _layout(codes), _layout(scale), _layout(zero))
+    key = (fmt, block, buffer_layout(codes), buffer_layout(scale), buffer_layout(zero))
     w = _WRITERS.get(key)
-    return w if w is not None else _remember(_WRITERS, key, _writer_of(codes, scale, zero, fmt, block))
+    return w if w is not None else remember(_WRITERS, key, _writer_of(codes, scale, zero, fmt, block))
 
 
 class NativeWrite:
@@ -126,7 +126,7 @@ class NativeWrite:
     def __init__(self, codes, scale, zero, fmt: str, block: int = 1):
         self._w = _cached_writer(codes, scale, zero, fmt, block)
         self._keep = (codes, scale, zero)  # the buffers written stay alive with the plan
-        self._fn, self._fmt, self._block = _library().kvq_write, fmt, block
+        self._fn, self._fmt, self._block = library().kvq_write, fmt, block
 
     def __call__(self, x: torch.Tensor, index: int) -> bool:
         g = self._block
@@ -145,9 +145,9 @@ class NativeWrite:
             h,
             n,
             d,
-            *_strides(xf),
+            *elem_strides(xf),
             index,
-            _write_threads(self._fmt, b * h * n),
+            write_threads(self._fmt, b * h * n),
         )
         if rc < 0:
             raise MemoryError("native CPU quantize kernel: out of memory")
@@ -198,16 +198,16 @@ class NativeTranscode:
             zero,
             *dst[:3],
         ]  # (the buffers read and written stay alive with the plan)
-        self._op = _cached_operand(codes, scale, zero, fmt, group, axis, self._keep)
+        self._op = cached_operand(codes, scale, zero, fmt, group, axis, self._keep)
         self._w = _cached_writer(*dst)
-        self._fn, self._b, self._h = _library().kvq_transcode, codes.shape[0], codes.shape[1]
+        self._fn, self._b, self._h = library().kvq_transcode, codes.shape[0], codes.shape[1]
         self._d, self._via, self._dst_fmt = head_dim, _VIA[via], dst[3]
 
     def __call__(self, i0: int, i1: int, index: int) -> bool:
         b, h, n = self._b, self._h, i1 - i0
         rc = self._fn(
             ctypes.byref(self._op), b, h, i0, n, self._d, ctypes.byref(self._w), index, self._via,
-            _write_threads(self._dst_fmt, b * h * n),
+            write_threads(self._dst_fmt, b * h * n),
         )  # fmt: skip
         if rc < 0:
             raise MemoryError("native CPU transcode: out of memory")
@@ -228,7 +228,7 @@ def trellis_encode_native(
 ):
     """Codes ``[N, D]`` (uint8) of :func:`kvquant.trellis.trellis_encode` for CPU ``y[N, D]``, from the C
     twin (the same codes), or None where it does not apply (not on CPU, or no kernel built)."""
-    lib = _library()
+    lib = library()
     if y.is_cuda or lib is None:
         return None
     yc = y.float().contiguous()
@@ -244,7 +244,7 @@ def trellis_encode_native(
         state_bits,
         two_pass_from,
         codes.data_ptr(),
-        _search_threads(n),
+        search_threads(n),
     )
     if rc < 0:
         raise MemoryError("native CPU trellis encoder: out of memory")

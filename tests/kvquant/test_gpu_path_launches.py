@@ -68,7 +68,7 @@ def cuda_path(monkeypatch):
     a counter of the Triton kernels launched, by name."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kvquant.kernels import INTERPRET, ops
+    from kvquant.kernels import INTERPRET, dispatch
     from kvquant.kernels.cpu.backend import BACKEND as cpu
     from kvquant.kernels.triton.backend import BACKEND as tri
 
@@ -76,7 +76,7 @@ def cuda_path(monkeypatch):
         pytest.skip("needs TRITON_INTERPRET=1 at import")
     monkeypatch.setattr(tri, "devices", frozenset({"cuda", "cpu"}))
     monkeypatch.setattr(cpu, "devices", frozenset())
-    ops._supporting.cache_clear()
+    dispatch.supporting.cache_clear()
     launched = collections.Counter()
     run = InterpretedFunction.run
 
@@ -87,7 +87,7 @@ def cuda_path(monkeypatch):
     monkeypatch.setattr(InterpretedFunction, "run", counted)
     yield launched
     monkeypatch.undo()
-    ops._supporting.cache_clear()
+    dispatch.supporting.cache_clear()
 
 
 # case: (torch ops issued from kvquant's code, Triton launches) per layer and decode step, at most;

@@ -20,8 +20,8 @@ from kvquant.memory import format_bits, layer_bytes, model_cache_bytes
 # nuq2 / nuq3 are left out: tcq2 / tcq3 hold the same bits with less error (kvquant/formats/trellis.py)
 MENU: tuple[str, ...] = ("tcq2", "tcq3", "nuq4", "int8")
 TENSORS = ("key", "value")
-_QUANTIZED_NAMES = tuple(n for n in FORMAT_NAMES if n != "none")  # the formats a tensor can be tuned to
-_QUANTIZED = ", ".join(_QUANTIZED_NAMES)
+QUANTIZED_NAMES = tuple(n for n in FORMAT_NAMES if n != "none")  # the formats a tensor can be tuned to
+QUANTIZED = ", ".join(QUANTIZED_NAMES)
 # the recipe of the `*-recent` presets: 2-8 bit old tokens, a 64-token nuq4 window, 4 newest tokens
 # and 4 sinks in full precision; 8-bit scales, one per 32 key channels / per value head
 DEFAULT_BASE = KVQuantConfig(
@@ -58,7 +58,7 @@ def _layer_cfg(base: KVQuantConfig, key: str, value: str) -> KVQuantConfig:
     return dataclasses.replace(base, layer_overrides={}, **fields)
 
 
-def _geometry(model_config: Any) -> tuple[int, int, int]:
+def kv_geometry_of(model_config: Any) -> tuple[int, int, int]:
     text = model_config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -89,7 +89,7 @@ def config_bits(cfg: KVQuantConfig, model_config: Any, tokens: int) -> float:
     (sliding-window layers hold their window only; the denominator is every layer at 16 bits)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    layers, heads, head_dim = _geometry(model_config)
+    layers, heads, head_dim = kv_geometry_of(model_config)
     types, kwargs = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
     windows = [kw.get("sliding_window") for kw in kwargs]
     total = model_cache_bytes(cfg, types, windows, tokens, 1, heads, head_dim, 2)

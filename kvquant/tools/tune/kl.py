@@ -47,11 +47,11 @@ def prefill(model: Any, ids: torch.Tensor, prefix_len: int) -> Calibration:
     if any(k is None or k.shape[-2] != prefix_len for k, _ in kv):
         kv = None
     calib = Calibration(ids, prefix_len, kv, first)
-    calib.reference = _continue(model, calib, cache)
+    calib.reference = continue_kl(model, calib, cache)
     return calib
 
 
-def _continue(model: Any, calib: Calibration, cache: Any) -> torch.Tensor:
+def continue_kl(model: Any, calib: Calibration, cache: Any) -> torch.Tensor:
     """Teacher-force the scored tokens through ``cache`` (already holding the prefix): ``[W, D, V]``."""
     from kvquant.eval.decode import continued_logprobs
 
@@ -75,7 +75,7 @@ def decode_logprobs(model: Any, calib: Calibration, quant: KVQuantConfig) -> tor
     else:
         for i, (k, v) in enumerate(calib.kv):
             cache.update(k, v, i)
-    return _continue(model, calib, cache)
+    return continue_kl(model, calib, cache)
 
 
 def decode_kl(model: Any, calib: Calibration, quant: KVQuantConfig) -> float:

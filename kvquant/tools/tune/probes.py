@@ -18,8 +18,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvquant.config import KVQuantConfig
 from kvquant.memory import format_bits
-from kvquant.tools.tune.costs import TENSORS, _geometry, tensor_fields
-from kvquant.tools.tune.kl import Calibration, _continue
+from kvquant.tools.tune.costs import TENSORS, kv_geometry_of, tensor_fields
+from kvquant.tools.tune.kl import Calibration, continue_kl
 
 
 def _off(base: KVQuantConfig, which: str) -> dict[str, str]:
@@ -124,7 +124,7 @@ def _probe_batch(
     grouped = Calibration(
         calib.ids.repeat(g_count, 1), calib.prefix_len, None, calib.first.repeat(g_count, 1, 1)
     )
-    kl = kl_per_prediction(calib.reference.repeat(g_count, 1, 1), _continue(model, grouped, cache))
+    kl = kl_per_prediction(calib.reference.repeat(g_count, 1, 1), continue_kl(model, grouped, cache))
     return kl.view(g_count, -1).mean(-1).tolist()
 
 
@@ -187,7 +187,7 @@ def tensor_sensitivity(
         raise ValueError(f"measure: invalid value {measure!r}; allowed: scaled, all")
     if calib.kv is None:
         raise ValueError("model: the tuner needs every layer to keep the whole prefix (no sliding windows)")
-    layers, kv_heads = _geometry(model.config)[:2]
+    layers, kv_heads = kv_geometry_of(model.config)[:2]
     units = (
         [(i, h) for i in range(layers) for h in range(kv_heads)]
         if per_head

@@ -18,13 +18,13 @@ from typing import Any
 from kvquant.config import KVQuantConfig
 from kvquant.tools.tune.allocate import Plan, allocate
 from kvquant.tools.tune.costs import (
-    _QUANTIZED,
-    _QUANTIZED_NAMES,
     DEFAULT_BASE,
     MENU,
+    QUANTIZED,
+    QUANTIZED_NAMES,
     TENSORS,
-    _geometry,
     config_bits,
+    kv_geometry_of,
     tensor_costs,
     tensor_fields,
 )
@@ -151,10 +151,10 @@ def check_base(base: KVQuantConfig | str | None) -> KVQuantConfig:
 def check_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
     """The menu without repeats; ``ValueError`` naming the first format that is not a quantized one."""
     if not formats:
-        raise ValueError(f"formats: empty; allowed: {_QUANTIZED}")
+        raise ValueError(f"formats: empty; allowed: {QUANTIZED}")
     for f in formats:
-        if f not in _QUANTIZED_NAMES:
-            raise ValueError(f"formats: invalid value {f!r}; allowed: {_QUANTIZED}")
+        if f not in QUANTIZED_NAMES:
+            raise ValueError(f"formats: invalid value {f!r}; allowed: {QUANTIZED}")
     return tuple(dict.fromkeys(formats))
 
 
@@ -168,8 +168,8 @@ def check_pins(pinned: dict[str, dict[int, str]] | None, layers: int) -> dict[st
         for i, f in layer_formats.items():
             if not isinstance(i, int) or not 0 <= i < layers:
                 raise ValueError(f"pinned: invalid {t} layer {i!r}; allowed: 0..{layers - 1}")
-            if f not in _QUANTIZED_NAMES:
-                raise ValueError(f"pinned: invalid {t} format {f!r} at layer {i}; allowed: {_QUANTIZED}")
+            if f not in QUANTIZED_NAMES:
+                raise ValueError(f"pinned: invalid {t} format {f!r} at layer {i}; allowed: {QUANTIZED}")
         if layer_formats:
             out[t] = dict(sorted(layer_formats.items()))
     return out
@@ -224,7 +224,7 @@ def tune(
     """
     base_cfg = check_base(base)
     formats = check_formats(formats)
-    layers, heads, head_dim = _geometry(model.config)
+    layers, heads, head_dim = kv_geometry_of(model.config)
     pins = check_pins(pinned, layers)
     tokens = calib.ids.shape[1] - 1 if bits_tokens is None else bits_tokens
     if tokens < 1:
