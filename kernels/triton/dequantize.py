@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kvquant.formats import format_spec, is_static_scale
 from kvquant.kernels.triton._common import as_bytes, level_table
-from kvquant.kernels.triton.decode_kernels import load_levels, load_scale
+from kvquant.kernels.triton.decode_tiles import load_levels, load_scale
 
 
 @triton.jit

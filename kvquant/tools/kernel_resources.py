@@ -55,7 +55,7 @@ def _launch(fmt: str, d: int, gq: int, num_warps: int, block_t: int | None = Non
     one scale per token and ``group`` channels (None: per head)."""
     import torch
 
-    from kvquant.kernels.triton.decode_attention import split_launch
+    from kvquant.kernels.triton.decode_launch import split_launch
     from kvquant.tools.kernel_stores import tiled_store
 
     t = 4096  # a realistic store: strides specialize as a long one's do (multiples of 16); `end` does not

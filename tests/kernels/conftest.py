@@ -22,7 +22,9 @@ if not torch.cuda.is_available():
         for name in (
             "kvquant.kernels.triton._common",
             "kvquant.kernels.triton.quantize",
+            "kvquant.kernels.triton.decode_tiles",
             "kvquant.kernels.triton.decode_kernels",
+            "kvquant.kernels.triton.decode_launch",
             "kvquant.kernels.triton.decode_attention",
         ):
             if name in sys.modules:

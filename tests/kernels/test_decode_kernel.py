@@ -25,7 +25,7 @@ from kvquant.kernels import merge_attention, quantized_decode_attention, quantiz
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kvquant.kernels.triton.decode_attention import load_codes  # noqa: E402 - needs triton
+from kvquant.kernels.triton.decode_tiles import load_codes  # noqa: E402 - needs triton
 
 MIN_SQNR_DB = 80.0
 LSE_ATOL = 1e-4
@@ -253,7 +253,7 @@ def test_channel_groups_fold_their_scales(k_fmt, v_fmt, group, qdtype, device):
     """Per-token scales per channel group (the int4 / int8 / fp8 presets' keys and values) fold out of
     one dot per group (mode 3) instead of a dequantized fp32 tile (mode 2): groups of >= 16 channels
     that divide the head; the result is the reference's, queries of every dtype (bf16 / fp32: split)."""
-    from kvquant.kernels.triton.decode_attention import _operand
+    from kvquant.kernels.triton.decode_launch import kernel_operand as _operand
 
     d = 128
     q, k, v = _inputs(2, 2, 3, 70, d, device, seed=group, qdtype=qdtype)
@@ -466,7 +466,7 @@ def test_block_t_override(block_t, device):
 def test_table_formats_build_without_pipelining():
     """The GPU measurements behind ``_num_stages``: table formats (codebooks, trellis) launch with one
     stage, formats read as plain codes keep Triton's default."""
-    from kvquant.kernels.triton.decode_attention import _num_stages
+    from kvquant.kernels.triton.decode_launch import pipeline_stages as _num_stages
 
     read = {f: format_spec(f).triton_read() for f in ("int4", "fp8_e4m3", "nuq4", "tcq3")}
     assert _num_stages(read["int4"], read["fp8_e4m3"]) is None

@@ -21,7 +21,7 @@ from kvquant.kernels import ops, quantized_decode_attention, quantized_decode_at
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kvquant.kernels.triton.decode_kernels import load_levels  # noqa: E402 - needs triton
+from kvquant.kernels.triton.decode_tiles import load_levels  # noqa: E402 - needs triton
 
 TABLE_FORMATS = ["int3", "nuq4", "nuq3", "nuq2", "tcq3", "tcq2", "tcq1"]
 FP8_SCALES = torch.float8_e4m3fn

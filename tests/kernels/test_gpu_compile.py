@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvquant.kernels.triton import decode_attention as da, dequantize as dq, quantize as qz, trellis as tk
+    from kvquant.kernels.triton import decode_kernels as da, dequantize as dq, quantize as qz, trellis as tk
     from kvquant.kernels.triton import trellis_write as tw
 
     def build(fn, ptrs, floats, consts, num_warps):
