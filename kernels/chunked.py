@@ -19,7 +19,7 @@ import torch
 
 from kvquant.formats import format_spec, unpack_codes
 from kvquant.kernels.backend import Backend, DecodeCall, RotateCall
-from kvquant.kernels.reference import hadamard_matrix, rotate_ref
+from kvquant.kernels.hadamard import hadamard_matrix, rotate_ref
 
 
 def _codes_as_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:

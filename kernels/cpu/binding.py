@@ -17,7 +17,7 @@ import torch
 
 from kvquant.formats import FORMAT_NAMES, format_spec
 from kvquant.kernels.cpu.build import Operand, library, native_error
-from kvquant.kernels.reference import rotation_block
+from kvquant.kernels.hadamard import rotation_block
 
 MAX_HEAD_DIM = 512
 

@@ -18,7 +18,7 @@ import torch
 
 from kvquant.kernels.cpu.binding import cached_operand, work_threads
 from kvquant.kernels.cpu.build import library
-from kvquant.kernels.reference import rotation_block
+from kvquant.kernels.hadamard import rotation_block
 
 
 def rotate_native(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import kvquant.kernels.cpu.build as build
 from kvquant.formats import format_spec, quantize
 from kvquant.kernels import ops
 from kvquant.kernels.chunked import decode_attention_torch
-from kvquant.kernels.reference import rotate_ref
+from kvquant.kernels.hadamard import rotate_ref
 
 pytestmark = pytest.mark.skipif(not native.native_available(), reason="no C compiler: torch path only")
 

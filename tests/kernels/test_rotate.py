@@ -17,7 +17,7 @@ import torch
 
 from kvquant.kernels import ops
 from kvquant.kernels.cpu import native_available
-from kvquant.kernels.reference import hadamard_matrix, rotate_ref
+from kvquant.kernels.hadamard import hadamard_matrix, rotate_ref
 
 HAS_C = native_available()
 needs_c = pytest.mark.skipif(not HAS_C, reason="C kernels not built")
