@@ -42,19 +42,18 @@ import yaml
 
 from kvquant.eval.caches import CacheSpec, resolve_specs
 from kvquant.eval.config import CorpusSection, EvalError, check_output_dir
+from kvquant.eval.context import EvalContext, progress_bar
 from kvquant.eval.corpus import load_corpus, make_windows, tokenize
 from kvquant.eval.memory import PeakMemory, memory_numbers
 from kvquant.eval.records import RecordStore, claim_folder, write_json
 from kvquant.eval.report import environment
 from kvquant.eval.runner import (
-    EvalContext,
     check_buildable,
     check_context,
     load_eval_model,
     model_fingerprint,
     model_label,
     model_max_context,
-    progress_bar,
     release_memory,
     safe_name,
 )

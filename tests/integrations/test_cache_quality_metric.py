@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvquant.eval.runner as runner
+import kvquant.eval.context as context
 from kvquant.eval import run_eval
 from kvquant.eval.corpus import ByteTokenizer
 from kvquant.integrations import CACHE_QUALITY_METRIC
@@ -29,14 +29,14 @@ def _rows(logprobs: torch.Tensor) -> list:
 
 def test_metric_equals_the_harness_records(tmp_path, metric, monkeypatch):
     seen = []  # (base, test, targets, result) of every compare the harness makes
-    real = runner.compare
+    real = context.compare
 
     def recording(base, test, targets):
         out = real(base, test, targets)
         seen.append((base, test, targets, out))
         return out
 
-    monkeypatch.setattr(runner, "compare", recording)
+    monkeypatch.setattr(context, "compare", recording)
     overrides = {
         "caches": ["dynamic", "int4", "nuq2"],
         "quality.prefix_len": 40,
