@@ -13,10 +13,22 @@ from kvquant.tools.arguments import (
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from kvquant.tools.plan import PlanError, format_table, load_config, parse_size, plan
+    from kvquant.tools.plan import (
+        PlanError,
+        dtype_bytes,
+        format_table,
+        load_config,
+        parse_reserve,
+        parse_size,
+        plan,
+    )
 
     try:
         memory = parse_size(args.memory, "--memory")
+        # the flags first, then the model (whose first use may convert the embedded GGUF)
+        parse_reserve(args.reserve, memory, "--reserve")
+        dtype_bytes(args.weights_dtype, "--weights-dtype")
+        dtype_bytes(args.kv_dtype, "--kv-dtype")
         presets = None
         if args.presets is not None:
             presets = [x.strip() for x in args.presets.split(",") if x.strip()]

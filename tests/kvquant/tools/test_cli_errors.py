@@ -385,6 +385,23 @@ def test_a_keyboard_interrupt_in_process_is_one_line_and_130(monkeypatch, capsys
     assert capsys.readouterr().err == "kvquant plan: interrupted\n"
 
 
+@pytest.mark.parametrize(
+    "flag", [["--reserve", "150%"], ["--weights-dtype", "foo"], ["--kv-dtype", "foo"], ["--memory", "abc"]]
+)
+def test_plan_checks_its_flags_before_it_reads_the_model(flag, monkeypatch, capsys):
+    # the default model's first read converts the embedded GGUF, whose progress output would come
+    # before the one-line error: a bad flag must fail first
+    import kvquant.tools.plan as plan_tool
+
+    def unread(model):
+        raise AssertionError("the model config was read before the flags were checked")
+
+    monkeypatch.setattr(plan_tool, "load_config", unread)
+    assert main(["plan", "--memory", "80GiB", "--context", "8", *flag]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kvquant plan: error: {flag[0]}"), err
+
+
 def test_os_errors_name_the_path():
     exc = PermissionError(13, "Permission denied", "/x/y")
     assert describe(exc) == "'/x/y': permission denied"
