@@ -154,6 +154,8 @@ def resources(fmt: str, d: int = 128, **options: Any) -> dict[str, Any]:
     def count(op: str) -> int:  # an opcode with or without modifiers (``STL``, ``STL.64``), once each
         return len(re.findall(rf"\b{op}\b", sass))
 
+    loop = main_loop(sass)
+    warps = options.get("num_warps", 8)
     return {
         "format": fmt,
         "head_dim": d,
@@ -167,7 +169,27 @@ def resources(fmt: str, d: int = 128, **options: Any) -> dict[str, Any]:
         "spill_stores": count("STL"),
         "int_to_float": count("I2F"),  # quarter-rate conversions (the prologue's integer division has one)
         "instructions": len(re.findall(r"(?m)^\s+/\*[0-9a-f]{4,}\*/", sass)),
+        "num_warps": warps,
+        "loop_instructions": loop,  # one tile's pass of the token loop, per thread
+        # what the SMs issue per token of the store: every warp runs the loop once per tile
+        "warp_instructions_per_token": round(loop * warps / consts["BT"], 1),
     }
+
+
+def main_loop(sass: str) -> int:
+    """Instructions of the longest loop in a SASS listing (the span from a backward branch's target
+    to the branch): the decode kernel's token loop, one tile per pass. 0 when there is no loop."""
+    addrs, targets = [], []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if not m:
+            continue
+        addrs.append(int(m.group(1), 16))
+        b = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", m.group(2))
+        targets.append(int(b.group(1), 16) if b else None)
+    index = {a: i for i, a in enumerate(addrs)}
+    spans = [i - index[t] + 1 for i, t in enumerate(targets) if t is not None and t < addrs[i] and t in index]
+    return max(spans, default=0)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -186,9 +208,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "STL (spills)",
         "I2F",
         "SASS",
+        "warps",
+        "loop",
+        "warp instr / token",
     ]
     keys = ["format", "head_dim", "group", "mode", "block_t", "registers", "stack_bytes", "shared_bytes", "global_loads",
-            "spill_stores", "int_to_float", "instructions"]  # fmt: skip
+            "spill_stores", "int_to_float", "instructions", "num_warps", "loop_instructions",
+            "warp_instructions_per_token"]  # fmt: skip
     return table(head, [[str(r[k]) for k in keys] for r in rows], left=1)
 
 

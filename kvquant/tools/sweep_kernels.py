@@ -36,6 +36,11 @@ CONFIGS: dict[str, dict] = {  # name -> launch knobs; "default" is what the back
     "bt32-w4": {"block_t": 32, "num_warps": 4},
     "bt32-w4-1stage": {"block_t": 32, "num_warps": 4, "num_stages": 1},
     "bt16-w4-1stage": {"block_t": 16, "num_warps": 4, "num_stages": 1},
+    # fewer warps or longer tiles: fewer warp-instructions per token in the offline sm_90 builds
+    # (int4 at head_dim 128: 89.5 default, 70.2 / 63.9 / 61.4 for these; docs/measured.md)
+    "bt64-w4": {"block_t": 64, "num_warps": 4},
+    "bt128-w4": {"block_t": 128, "num_warps": 4},
+    "bt64-w2": {"block_t": 64, "num_warps": 2},
 }
 FORMATS = ["int4", "int8", "fp8_e4m3", "nuq4", "nuq3", "tcq2", "tcq3", "int2", "int3", "nuq2", "tcq1"]
 

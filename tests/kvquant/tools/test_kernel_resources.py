@@ -70,6 +70,36 @@ def test_wide_heads_take_64_token_tiles_without_tables(tmp_path):
     assert rows["nuq2"]["block_t"] == 32, rows["nuq2"]
 
 
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, R2, PT ;
+        /*0020*/               @P0 BRA 0x0080 ;
+        /*0030*/                   LDG.E R4, desc[UR4][R2.64] ;
+        /*0040*/                   HADD2 R4, R4, -1024, -1024 ;
+        /*0050*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0060*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0070*/              @!P0 BRA 0x0030 ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   BRA 0x0090;
+"""
+
+
+def test_the_main_loop_is_the_longest_backward_branch():
+    # 0x30..0x70 is the loop (5 instructions); the forward branch and the closing self-branch are not
+    assert kernel_resources.main_loop(SASS) == 5
+    assert kernel_resources.main_loop(SASS.replace("0x0030 ;", "0x0080 ;")) == 0  # no backward branch
+
+
+def test_what_the_sms_issue_per_token(tmp_path):
+    # the token loop once per tile in every warp: int4 at head_dim 128 with 8 warps and 64-token tiles
+    # issued 89.5 warp-instructions per token when this was written (716 per pass)
+    r = _rows(tmp_path, "--formats", "int4")["int4"]
+    assert 0 < r["loop_instructions"] < r["instructions"], r
+    expected = round(r["loop_instructions"] * r["num_warps"] / r["block_t"], 1)
+    assert r["num_warps"] == 8 and r["warp_instructions_per_token"] == expected, r
+    assert r["warp_instructions_per_token"] < 100, r
+
+
 def test_formats_the_kernel_does_not_read_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         kernel_resources.main(["--formats", "int4", "none"])
