@@ -3,6 +3,7 @@
 # make test-fast - the suite without the `slow` tests (the inner loop)
 # make lint  - ruff check + format check + the import contracts (lint-imports, pyproject.toml)
 # make gpu-check - on a CUDA machine: GPU tests + kernel benchmark + launch configs + long-context generate (< 8 min, H200)
+# make gpu-wheels - here: the wheels gpu-check needs on a lent GPU machine, into .whl/ (carry it)
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-setup
 LINT_PATHS := kvquant kernels eval tests .ci
 
-.PHONY: setup test test-fast lint format demo clean gpu-check
+.PHONY: setup test test-fast lint format demo clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -52,14 +53,33 @@ demo: $(STAMP)
 
 # No set-up step: a GPU machine brings its own CUDA torch (the .venv's is the CPU wheel). GPU_PY is the
 # .venv's python when there is one, else $(PYTHON); kvquant goes into it without dependencies when
-# missing (transformers 5.24 and the rest must be there). Results: $(GPU_CHECK_OUT) (JSON + markdown);
-# GPU_CHECK_ARGS e.g. "--prompt 16384 --budget-s 400".
+# missing (transformers 5.24 and the rest must be there). Wheels in $(GPU_WHEELS)/ (`make gpu-wheels`,
+# run where pip reaches an index) are installed first into $(GPU_SITE), ahead on PYTHONPATH: the
+# lent machines' image has transformers 5.17 and cannot download. Results: $(GPU_CHECK_OUT) (JSON +
+# markdown); GPU_CHECK_ARGS e.g. "--prompt 16384 --budget-s 400".
 GPU_CHECK_OUT ?= runs/gpu-check
 GPU_PY ?= $(if $(wildcard $(BIN)/python),$(abspath $(BIN)/python),$(shell command -v $(PYTHON)))
+GPU_WHEELS := .whl
+GPU_SITE := /tmp/kvquant-gpu-site
+GPU_PATH := $(if $(wildcard $(GPU_WHEELS)/*.whl),$(GPU_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH)),$(PYTHONPATH))
 gpu-check:
-	(cd / && $(GPU_PY) -c "import kvquant.kernels" 2>/dev/null) || \
+	$(if $(wildcard $(GPU_WHEELS)/*.whl),$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile \
+		--no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl)
+	(cd / && PYTHONPATH=$(GPU_PATH) $(GPU_PY) -c "import kvquant.kernels" 2>/dev/null) || \
 		$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
-	HF_HUB_OFFLINE=1 $(GPU_PY) -P -m kvquant.tools.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(GPU_PATH) HF_HUB_OFFLINE=1 $(GPU_PY) -P -m kvquant.tools.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# The wheels `gpu-check` needs on the lent GPU machines (Python 3.12, x86-64): the locked transformers
+# and the regex it asks for; $(GPU_WHEELS)/ is kept out of git (.git/info/exclude) and travels by the
+# device tool's `carry`.
+gpu-wheels: $(STAMP)
+	mkdir -p $(GPU_WHEELS)
+	grep -qxF '/$(GPU_WHEELS)/' .git/info/exclude 2>/dev/null || echo '/$(GPU_WHEELS)/' >> .git/info/exclude
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) $$(grep -E '^transformers==' requirements-lock.txt) \
+		regex==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('regex'))")
+	ls -l $(GPU_WHEELS)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache .hypothesis
