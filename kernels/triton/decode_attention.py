@@ -57,7 +57,7 @@ from kvquant.kernels.reference import (
 )
 from kvquant.kernels.triton._common import is_pow2
 from kvquant.kernels.triton.decode_kernels import merge_splits_kernel
-from kvquant.kernels.triton.decode_launch import Segment, split_launch  # noqa: F401  (split_launch: re-exported)
+from kvquant.kernels.triton.decode_launch import Segment
 
 # --------------------------------------------------------------------------------------------- launcher
 

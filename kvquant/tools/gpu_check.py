@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kvquant.tools.gpu_generate import FULL, PRESETS, TINY, run_generate  # noqa: F401  (re-exported)
+from kvquant.tools.gpu_generate import FULL, run_generate
 
 BUDGET_S = 450
 LIMITS = {"compile": 60, "grid": 150, "kernels": 100, "configs": 90, "generate": 130}  # seconds per part

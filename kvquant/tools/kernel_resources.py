@@ -1,7 +1,7 @@
 """``python -m kvquant.tools.kernel_resources``: what the Triton decode kernel costs, from its offline
 build, no GPU needed.
 
-For each format it prepares the launch the decode op makes (``decode_attention.split_launch``: the
+For each format it prepares the launch the decode op makes (``decode_launch.split_launch``: the
 same constexprs, tile size, warps and pipeline stages), compiles it for an NVIDIA architecture with
 the ``ptxas`` Triton ships, and reads the cubin with ``cuobjdump``: registers per thread, stack bytes
 (where spilled registers go), shared memory (Triton's dynamic allocation plus the static part), and

@@ -10,7 +10,7 @@ import torch
 from kvquant.formats import FORMAT_NAMES
 from kvquant.kernels.backend import DecodeCall
 from kvquant.kernels.triton.backend import BACKEND as TRITON
-from kvquant.tools import gpu_check
+from kvquant.tools import gpu_check, gpu_generate
 from kvquant.tools.bench_kernels import triton_formats
 from kvquant.tools.cli import main as cli_main
 
@@ -33,15 +33,15 @@ def test_cpu_tiny_runs_the_generate_part_and_reports_it(tmp_path, monkeypatch, c
     assert report["parts"]["tests"]["status"] == report["parts"]["kernels"]["status"] == "skipped: needs CUDA"
     gen = report["parts"]["generate"]
     assert gen["rc"] == 0 and not gen["timed_out"]
-    assert [r["cache"] for r in gen["rows"]] == ["DynamicCache", *gpu_check.PRESETS]
+    assert [r["cache"] for r in gen["rows"]] == ["DynamicCache", *gpu_generate.PRESETS]
     for r in gen["rows"]:
-        assert r["status"] == "ok" and r["new_tokens"] == gpu_check.TINY["new_tokens"]
+        assert r["status"] == "ok" and r["new_tokens"] == gpu_generate.TINY["new_tokens"]
         assert r["decode_tok_s"] > 0 and r["prefill_s"] > 0 and r["cache_mib"] > 0
     assert gen["rows"][0]["vs_dynamic"] == 1.0
     assert gpu_check.passed(report)
     md = (tmp_path / "gpu_check.md").read_text()
     assert md in capsys.readouterr().out
-    assert all(f"| {p} | ok |" in md for p in gpu_check.PRESETS)
+    assert all(f"| {p} | ok |" in md for p in gpu_generate.PRESETS)
 
 
 def test_a_part_over_its_limit_is_killed_and_keeps_its_output(tmp_path):
