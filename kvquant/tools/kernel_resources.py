@@ -155,7 +155,7 @@ def resources(fmt: str, d: int = 128, **options: Any) -> dict[str, Any]:
         return len(re.findall(rf"\b{op}\b", sass))
 
     loop = main_loop(sass)
-    warps = options.get("num_warps", 8)
+    warps = kernel.metadata.num_warps  # (the build's own, default included)
     return {
         "format": fmt,
         "head_dim": d,
