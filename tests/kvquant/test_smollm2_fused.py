@@ -1,0 +1,56 @@
+"""The fused ``kvquant`` attention on the embedded SmolLM2-135M-Instruct, every shipped preset as a user
+gets it (``KVQuantCache(model, preset)``: probed retrieval heads and query sizes included): the
+fused decode gives the dequantizing path's logits and greedy tokens.
+
+Marked `slow` (they load the real model); they still run in `make test`."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvquant
+from kvquant import KVQuantCache
+from kvquant.config import preset_names
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def sdpa_after(smollm2):
+    """The model, set back to SDPA after the test (the tests switch it to the fused attention)."""
+    model, _ = smollm2
+    yield model
+    model.set_attn_implementation("sdpa")
+
+
+def test_pass_through_under_the_fused_path_generates_dynamic_caches_tokens(sdpa_after, wikitext_ids, greedy):
+    model, ids = sdpa_after, wikitext_ids[:, :300]
+    ref_seq, _ = greedy(model, DynamicCache(config=model.config), ids)
+    kvquant.enable(model)
+    assert torch.equal(greedy(model, KVQuantCache(model, "none"), ids)[0], ref_seq)
+
+
+@pytest.mark.parametrize("preset", [p for p in preset_names() if p != "none"])
+def test_fused_decode_equals_the_dequantizing_path(sdpa_after, wikitext_ids, greedy, preset):
+    """Same greedy tokens from two runs, one per path; and the dequantizing path's logits within 1e-4
+    (relative, fp32) on the same cache contents (each step runs both paths on copies of one cache: fed
+    separately, a 1e-6 difference in a new token's K/V can flip one rounding and the contents would
+    drift apart)."""
+    model, ids = sdpa_after, wikitext_ids[:, :300]
+    dequant_seq, _ = greedy(model, KVQuantCache(model, preset), ids)
+    kvquant.enable(model)
+    seq, _ = greedy(model, KVQuantCache(model, preset), ids)
+    assert torch.equal(seq, dequant_seq), (seq, dequant_seq)
+    cache = KVQuantCache(model, preset)
+    with torch.no_grad():
+        model(input_ids=ids[:, :280], cache=cache)
+        for t in range(280, 286):
+            twin = copy.deepcopy(cache)
+            model.set_attn_implementation("sdpa")
+            want = model(input_ids=ids[:, t : t + 1], cache=cache).logits
+            kvquant.enable(model)
+            got = model(input_ids=ids[:, t : t + 1], cache=twin).logits
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel <= 1e-4, (t, rel)
