@@ -143,11 +143,16 @@ class KeyTransform:
         excludes tokens (padding, sinks). A row with no token of its own gets mean 0, std 1."""
         if self.smoothing == "none":
             return
+        sdt = self.scale_dtype
+        if k.is_meta:  # a byte count (kvquant.memory): the statistics' shapes and dtype, no values
+            shape = (*k.shape[:2], 1, k.shape[3])  # [B, H, 1, D]
+            std = None if self.smoothing == "mean" else torch.empty(shape, dtype=sdt, device="meta")
+            self.stats = (torch.empty(shape, dtype=sdt, device="meta"), std)
+            return
         x = k.float()
         w = torch.ones_like(x[:, :1, :, :1]) if weight is None else weight.float()
         count = w.sum(2, keepdim=True)  # [B, 1, 1, 1]
         mean = (x * w).sum(2, keepdim=True) / count.clamp_min(1)  # [B, H, 1, D]
-        sdt = self.scale_dtype
         if self.smoothing == "mean":
             self.stats = (mean.to(sdt), None)
             return
