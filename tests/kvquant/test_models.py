@@ -19,11 +19,6 @@ PROMPT = "The capital of France is"
 # ---------------------------------------------------------------------------------------------- embedded
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model()
-
-
 def test_find_embedded_gguf():
     path = models.find_embedded_gguf()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
