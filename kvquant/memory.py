@@ -11,6 +11,7 @@ Example:
     >>> format_bytes_per_token(cfg, heads=3, head_dim=64)       # K + V, one layer, one sequence
     216.0
     >>> layer_bytes(cfg, tokens=2048, batch=1, heads=3, head_dim=64, fp_itemsize=2)["total"]
+    455040
 """
 
 from __future__ import annotations
@@ -120,7 +121,28 @@ def model_cache_bytes(
     fp_itemsize: int,
 ) -> int:
     """Total bytes of a :class:`~kvquant.KVQuantCache` over all layers (``dummy`` layers hold none)."""
+    groups = layer_groups(cfg, layer_types, sliding_windows)
+    return groups_bytes(groups, tokens, batch, heads, head_dim, fp_itemsize)
+
+
+def groups_bytes(
+    groups: list[tuple[KVQuantConfig, int | None, int]],
+    tokens: int,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    fp_itemsize: int,
+) -> int:
+    """:func:`model_cache_bytes` of a cache whose :func:`layer_groups` are ``groups`` (a caller that
+    counts many contexts of one cache resolves its layers once).
+
+    Example:
+        >>> types, windows = ["full_attention"] * 2, [None, None]
+        >>> groups = layer_groups(KVQuantConfig(), types, windows)
+        >>> groups_bytes(groups, 100, 1, 2, 64, 2) == model_cache_bytes(KVQuantConfig(), types, windows, 100, 1, 2, 64, 2)
+        True
+    """
     return sum(
         count * layer_bytes(layer_cfg, tokens, batch, heads, head_dim, fp_itemsize, window)["total"]
-        for layer_cfg, window, count in layer_groups(cfg, layer_types, sliding_windows)
+        for layer_cfg, window, count in groups
     )

@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from kvquant.config import KVQuantConfig, is_preset, preset_names
-from kvquant.memory import layer_groups, model_cache_bytes
+from kvquant.memory import groups_bytes, layer_groups
 
 # (the inputs are re-exported: kvquant.planning is where callers look for them)
 from kvquant.plan_inputs import (  # noqa: F401
@@ -107,7 +107,7 @@ class _KVModel:
         key = (tokens, batch)
         if key not in self._bytes:
             dims = (self.heads, self.head_dim, self.fp_itemsize)
-            self._bytes[key] = model_cache_bytes(self.quant, self.types, self.windows, tokens, batch, *dims)
+            self._bytes[key] = groups_bytes(self.groups, tokens, batch, *dims)
         return self._bytes[key]
 
     def held_elements(self, tokens: int, batch: int = 1) -> int:
