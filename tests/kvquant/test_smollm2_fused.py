@@ -32,7 +32,7 @@ def test_pass_through_under_the_fused_path_generates_dynamic_caches_tokens(sdpa_
     assert torch.equal(greedy(model, KVQuantCache(model, "none"), ids)[0], ref_seq)
 
 
-@pytest.mark.parametrize("preset", [p for p in preset_names() if p != "none"])
+@pytest.mark.parametrize("preset", preset_names())
 def test_fused_decode_equals_the_dequantizing_path(sdpa_after, wikitext_ids, greedy, preset):
     """Same greedy tokens from two runs, one per path; and the dequantizing path's logits within 1e-4
     (relative, fp32) on the same cache contents (each step runs both paths on copies of one cache: fed
