@@ -122,27 +122,23 @@ def model_cache_bytes(
 ) -> int:
     """Total bytes of a :class:`~kvquant.KVQuantCache` over all layers (``dummy`` layers hold none)."""
     groups = layer_groups(cfg, layer_types, sliding_windows)
-    return groups_bytes(groups, tokens, batch, heads, head_dim, fp_itemsize)
+    return groups_bytes(groups, tokens, batch, (heads, head_dim, fp_itemsize))
 
 
 def groups_bytes(
-    groups: list[tuple[KVQuantConfig, int | None, int]],
-    tokens: int,
-    batch: int,
-    heads: int,
-    head_dim: int,
-    fp_itemsize: int,
+    groups: list[tuple[KVQuantConfig, int | None, int]], tokens: int, batch: int, dims: tuple
 ) -> int:
-    """:func:`model_cache_bytes` of a cache whose :func:`layer_groups` are ``groups`` (a caller that
-    counts many contexts of one cache resolves its layers once).
+    """:func:`model_cache_bytes` of a cache whose :func:`layer_groups` are ``groups``; ``dims``:
+    ``(heads, head_dim, fp_itemsize)``. A caller that counts many contexts of one cache resolves its
+    layers once.
 
     Example:
         >>> types, windows = ["full_attention"] * 2, [None, None]
         >>> groups = layer_groups(KVQuantConfig(), types, windows)
-        >>> groups_bytes(groups, 100, 1, 2, 64, 2) == model_cache_bytes(KVQuantConfig(), types, windows, 100, 1, 2, 64, 2)
+        >>> groups_bytes(groups, 100, 1, (2, 64, 2)) == model_cache_bytes(KVQuantConfig(), types, windows, 100, 1, 2, 64, 2)
         True
     """
     return sum(
-        count * layer_bytes(layer_cfg, tokens, batch, heads, head_dim, fp_itemsize, window)["total"]
+        count * layer_bytes(layer_cfg, tokens, batch, *dims, window)["total"]
         for layer_cfg, window, count in groups
     )

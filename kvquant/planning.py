@@ -107,7 +107,7 @@ class _KVModel:
         key = (tokens, batch)
         if key not in self._bytes:
             dims = (self.heads, self.head_dim, self.fp_itemsize)
-            self._bytes[key] = groups_bytes(self.groups, tokens, batch, *dims)
+            self._bytes[key] = groups_bytes(self.groups, tokens, batch, dims)
         return self._bytes[key]
 
     def held_elements(self, tokens: int, batch: int = 1) -> int:
