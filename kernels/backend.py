@@ -253,6 +253,14 @@ class Backend:
         a callable ``run(i0, i1, index) -> bool`` as ``transcode`` answers, or None (no plan)."""
         return None
 
+    def plan_append_step(self, tail, stats, rotation, first, move, *, head_dim):
+        """Optional: a cache layer's decode-step append in one call (``ops.plan_append_step``, asked
+        only of the backend that writes the first tier and moves into the main store): a callable
+        ``run(k, v, tail_row, leave_row, first_index, move_from, move_to) -> int`` with a
+        ``scratch`` tensor, as :class:`kvquant.kernels.cpu.step.NativeAppendStep` answers, or None
+        (no plan: the cache makes the step's ops one by one)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<kvquant kernels backend {self.name!r}>"
 

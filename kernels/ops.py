@@ -40,6 +40,7 @@ from kvquant.kernels.reference import dense_decode_attention_ref, merge_attentio
 from kvquant.kernels.store_ops import (
     dequantize,
     encode,
+    plan_append_step,
     plan_quantize_append,
     plan_transcode,
     quantize_append,
@@ -300,6 +301,7 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "encode",
+    "plan_append_step",
     "plan_decode_attention",
     "plan_quantize_append",
     "plan_transcode",

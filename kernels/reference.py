@@ -297,6 +297,66 @@ def dense_decode_attention_ref(
     return out.reshape(b, hq, d), lse.reshape(b, hq)
 
 
+# --------------------------------------------------------------------------------------------- append step
+
+
+class AppendStepRef:
+    """The torch twin of a cache layer's decode-step append (``ops.plan_append_step``; C:
+    :class:`kvquant.kernels.cpu.step.NativeAppendStep`, the same arguments and results): the
+    step's ops one by one, as the cache makes them. Raises the spec's error where a write refuses
+    its values (the C step returns the stage instead).
+
+    Example:
+        >>> run = AppendStepRef(tail_k, tail_v, None, None, True, (dst_k, dst_v), None, head_dim=64)
+        >>> run(k, v, tail_row=20, leave_row=4, first_index=100, move_from=-1, move_to=-1)
+        0
+    """
+
+    def __init__(self, tail_k, tail_v, mean, std, rotation: bool, first: tuple, move, *, head_dim: int):
+        b, h, _, d = tail_k.shape
+        self.scratch = torch.empty(2, b, h, d, dtype=torch.float32)  # [2, B, H, D]
+        self._tail, self._stats, self._rotation = (tail_k, tail_v), (mean, std), rotation
+        self._first, self._move, self._d = first, move, head_dim
+
+    def __call__(
+        self, k, v, tail_row: int, leave_row: int, first_index: int, move_from: int, move_to: int
+    ) -> int:
+        tail_k, tail_v = self._tail
+        tail_k[:, :, tail_row] = k[:, :, 0]
+        tail_v[:, :, tail_row] = v[:, :, 0]
+        if leave_row >= 0:
+            mean, std = self._stats
+            xk, xv = tail_k[:, :, leave_row : leave_row + 1], tail_v[:, :, leave_row : leave_row + 1]
+            if mean is not None:
+                xk = xk - mean
+            if std is not None:
+                xk = xk / std
+            if self._rotation:
+                xk, xv = rotate_ref(xk), rotate_ref(xv)
+            self.scratch[0], self.scratch[1] = xk[:, :, 0], xv[:, :, 0]
+            for x, (codes, scale, zero, fmt, group, axis, static) in zip((xk, xv), self._first, strict=True):
+                quantize_append_ref(x, codes, scale, zero, first_index, fmt, group, axis, static_scale=static)
+        if move_from >= 0 and self._move is not None:
+            for src, dst in zip(*self._move, strict=True):
+                codes, scale, zero, fmt, group, axis = src
+                rows = dequantize_ref(
+                    codes,
+                    scale,
+                    zero,
+                    move_from,
+                    move_from + 1,
+                    fmt=fmt,
+                    group=group,
+                    axis=axis,
+                    head_dim=self._d,
+                )
+                d_codes, d_scale, d_zero, d_fmt, d_group, d_axis, d_static = dst
+                quantize_append_ref(
+                    rows, d_codes, d_scale, d_zero, move_to, d_fmt, d_group, d_axis, static_scale=d_static
+                )
+        return 0
+
+
 # --------------------------------------------------------------------------------------------- backend
 
 

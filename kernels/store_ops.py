@@ -237,6 +237,88 @@ def plan_transcode(
     return run
 
 
+# --------------------------------------------------------------------------------------------- append step
+
+
+def plan_append_step(
+    tail: tuple[torch.Tensor, torch.Tensor],
+    stats: tuple[torch.Tensor | None, torch.Tensor | None],
+    rotation: bool,
+    first: tuple[tuple, tuple],
+    move: tuple[tuple, tuple] | None = None,
+    *,
+    head_dim: int,
+    backend: str | None = None,
+) -> Callable[..., None] | None:
+    """A cache layer's decode-step append over buffers that stay put, in one call where a backend
+    plans it (``Backend.plan_append_step``: the C kernels), else None (the caller makes the step's
+    ops one by one). Asked of the backend that writes the first tier and (with ``move``) transcodes
+    into the main store; the torch twin is :class:`kvquant.kernels.reference.AppendStepRef`.
+
+    ``tail = (tail_k, tail_v)`` ``[B, H, cap, D]``; ``stats = (mean, std)`` ``[B, H, 1, D]`` or
+    None each (the key smoothing); ``rotation``: the stored space is Hadamard-rotated; ``first =
+    (dst_k, dst_v)`` as :func:`transcode` takes a destination (the tier the tail's oldest token
+    enters); ``move = ((src_k, src_v), (dst_k, dst_v))``: a recent window's operands as
+    :func:`transcode` takes a source, and the main store's destinations.
+
+    Returns ``run(k, v, tail_row, leave_row, first_index, move_from, move_to)``: ``k, v [B, H, 1,
+    D]`` copied into tail row ``tail_row``; tail row ``leave_row`` put into the stored space
+    (``(k - mean) / std``, then the rotation) and written at ``first_index``; the first tier's
+    index ``move_from`` transcoded (through fp32) into the main store at ``move_to``. A negative row
+    or index skips its stage. The buffers end as those ops leave them; values a write refuses get
+    that op's own error.
+
+    Example:
+        >>> run = plan_append_step((tail_k, tail_v), (mean, std), True, (dst_k, dst_v), head_dim=64)
+        >>> run(k, v, 20, 4, 100, -1, -1)                  # one decode step, no recent window
+    """
+    device = tail[0].device.type
+
+    def sdt(t: torch.Tensor | None) -> torch.dtype | None:
+        return None if t is None else t.dtype
+
+    picked = {
+        next(
+            pick("quantize_append", (d[3], head_dim, device, d[4], d[5], sdt(d[1]), bool(d[6])), backend),
+            None,
+        )
+        for d in first
+    }
+    for src, dst in zip(*(move or ((), ())), strict=True):
+        fields = (src[3], dst[3], head_dim, device, src[5], sdt(src[1]), dst[5], sdt(dst[1]), bool(dst[6]))
+        picked.add(next(pick("transcode", fields, backend), None))
+    if len(picked) != 1 or None in picked:
+        return None
+    step = picked.pop().plan_append_step(tail, stats, rotation, first, move, head_dim=head_dim)
+    if step is None:
+        return None
+
+    def rest(stage: int, first_index: int, move_from: int, move_to: int) -> None:
+        """Stages ``stage`` .. 4 through the ops, one by one (a write refused its values in ``step``:
+        the op raises the spec's error for them, or writes what the backends it picks accept)."""
+        for s in range(stage, 5):
+            if s <= 2:
+                codes, scale, zero, fmt, group, axis, static = first[s - 1]
+                x = step.scratch[s - 1][:, :, None]  # [B, H, 1, D]
+                quantize_append(
+                    x, codes, scale, zero, first_index, fmt=fmt, group_size=group, axis=axis,
+                    static_scale=static, backend=backend,
+                )  # fmt: skip
+            elif move is not None and move_from >= 0:
+                src, dst = move[0][s - 3], move[1][s - 3]
+                transcode(
+                    src, move_from, move_from + 1, dst, move_to, via=torch.float32, head_dim=head_dim,
+                    backend=backend,
+                )  # fmt: skip
+
+    def run(k, v, tail_row: int, leave_row: int, first_index: int, move_from: int, move_to: int) -> None:
+        stage = step(k, v, tail_row, leave_row, first_index, move_from, move_to)
+        if stage:
+            rest(stage, first_index, move_from, move_to)
+
+    return run
+
+
 # --------------------------------------------------------------------------------------------- encode
 
 

@@ -179,6 +179,11 @@ class KeyTransform:
 
     # ------------------------------------------------------------------------------------ stored space
 
+    def step_stats(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(mean, std)``, fp32 ``[B, H, 1, D]`` each or None: what :meth:`apply` subtracts from
+        and divides the keys by (``ops.plan_append_step`` takes them)."""
+        return (None, None) if self._stats32 is None else self._stats32
+
     def apply(
         self, k: torch.Tensor, v: torch.Tensor, rotate: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ from kvquant.kernels.cpu.rowwise import (
     rotate_native,
     rotate_pair_native,
 )
+from kvquant.kernels.cpu.step import NativeAppendStep
 from kvquant.kernels.cpu.writes import (
     NativeTranscode,
     NativeWrite,
@@ -132,6 +133,17 @@ class CpuBackend(Backend):
 
     def plan_transcode(self, src, dst, *, via, head_dim) -> NativeTranscode:
         return NativeTranscode(src, dst[:4], via=via, head_dim=head_dim)
+
+    def plan_append_step(self, tail, stats, rotation, first, move, *, head_dim) -> NativeAppendStep | None:
+        tail_k, tail_v = tail
+        dense = (tail_k, tail_v, *(t for t in stats if t is not None))
+        if any(t.dtype != torch.float32 or t.is_cuda for t in dense) or tail_k.stride() != tail_v.stride():
+            return None  # (fp32 rows on the host: what the step copies and transforms in place)
+        if any(t is not None and not t.is_contiguous() for t in stats) or tail_k.stride(-1) != 1:
+            return None
+        if any(dst[5] != "token" or dst[6] for dst in first + (() if move is None else move[1])):
+            return None
+        return NativeAppendStep(*tail, *stats, rotation, first, move, head_dim=head_dim)
 
 
 def search(y: torch.Tensor, bits: int) -> torch.Tensor:

@@ -96,6 +96,33 @@ class Writer(ctypes.Structure):
     ]
 
 
+class Step(ctypes.Structure):
+    """Mirror of ``kvq_step`` in quantize_cpu.c (one decode step's append of a cache layer)."""
+
+    _fields_ = [
+        ("tail_k", ctypes.c_void_p),
+        ("tail_v", ctypes.c_void_p),
+        ("tsb", ctypes.c_int64),
+        ("tsh", ctypes.c_int64),
+        ("tst", ctypes.c_int64),
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("mean", ctypes.c_void_p),
+        ("std", ctypes.c_void_p),
+        ("rot_scale", ctypes.c_float),
+        ("first_threads", ctypes.c_int32),
+        ("move_threads", ctypes.c_int32),
+        ("scratch", ctypes.c_void_p),
+        ("first_k", ctypes.POINTER(Writer)),
+        ("first_v", ctypes.POINTER(Writer)),
+        ("move_src_k", ctypes.POINTER(Operand)),
+        ("move_src_v", ctypes.POINTER(Operand)),
+        ("move_dst_k", ctypes.POINTER(Writer)),
+        ("move_dst_v", ctypes.POINTER(Writer)),
+    ]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -172,6 +199,9 @@ def _load(path: Path) -> ctypes.CDLL:
     ro = lib.kvq_rotate
     ro.restype = None
     ro.argtypes = [p, i64, p, i64, i64, ctypes.c_float, ctypes.c_int]
+    st = lib.kvq_append_step
+    st.restype = ctypes.c_int
+    st.argtypes = [ctypes.POINTER(Step), p, i64, i64, p, i64, i64, i64, i64, i64, i64, i64]
     rp = lib.kvq_rotate_pair
     rp.restype = None
     rp.argtypes = [p, i64, i64, i64, p, i64, i64, i64, i64, i64, i64, i64, p, p, ctypes.c_float, p]

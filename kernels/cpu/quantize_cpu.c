@@ -844,3 +844,67 @@ int kvq_transcode(const kvq_operand *src, int64_t B, int64_t H, int64_t i0, int6
     free(rows);
     return rc;
 }
+
+/* One decode step's append of a cache layer (one token per row), in one call:
+ *   1. the new token k / v [B, H, 1, D] (element strides ksb / ksh, vsb / vsh; D contiguous) is
+ *      copied into the full-precision tail at row `tail_row` of tail_k / tail_v;
+ *   2. leave_row >= 0: the tail's row `leave_row` (the token leaving it) is put into the stored
+ *      space as kvq_rotate_pair does (keys minus mean, divided by std, each where given; then, with
+ *      rot_scale > 0, both rotated by fwht_row) and written into the first tier at `first_index`
+ *      (first_k / first_v, kvq_write);
+ *   3. move_from >= 0: token `move_from` of the first tier (move_src_k / _v) is transcoded into the
+ *      main store at `move_to` (move_dst_k / _v, kvq_transcode through fp32).
+ * The same operations, in the same order, as the cache's Python path makes them one op at a time,
+ * so the same bits. Returns 0; -1 out of memory; else the stage whose write refused its values (1
+ * first_k, 2 first_v, 3 the move's keys, 4 its values), the stages before it done. */
+typedef struct {
+    float *tail_k, *tail_v;           /* [B, H, cap, D] fp32 */
+    int64_t tsb, tsh, tst;            /* element strides of both tails */
+    int64_t B, H, D;
+    const float *mean, *std;          /* [B, H, 1, D] contiguous, or NULL */
+    float rot_scale;                  /* > 0: the stored space is rotated */
+    int32_t first_threads, move_threads;
+    float *scratch;                   /* [2, B, H, D] */
+    const kvq_writer *first_k, *first_v;
+    const kvq_operand *move_src_k, *move_src_v; /* NULL: no move (no recent window) */
+    const kvq_writer *move_dst_k, *move_dst_v;
+} kvq_step;
+
+int kvq_append_step(const kvq_step *s, const float *k, int64_t ksb, int64_t ksh, const float *v, int64_t vsb,
+                    int64_t vsh, int64_t tail_row, int64_t leave_row, int64_t first_index, int64_t move_from,
+                    int64_t move_to) {
+    const int64_t B = s->B, H = s->H, D = s->D;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t t = b * s->tsb + h * s->tsh + tail_row * s->tst;
+            memcpy(s->tail_k + t, k + b * ksb + h * ksh, sizeof(float) * (size_t)D);
+            memcpy(s->tail_v + t, v + b * vsb + h * vsh, sizeof(float) * (size_t)D);
+        }
+    if (leave_row >= 0) {
+        float *rk = s->scratch, *rv = s->scratch + B * H * D;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t t = b * s->tsb + h * s->tsh + leave_row * s->tst, r = (b * H + h) * D;
+                const float *xk = s->tail_k + t, *m = s->mean ? s->mean + r : NULL, *sd = s->std ? s->std + r : NULL;
+                for (int64_t j = 0; j < D; j++) rk[r + j] = m ? xk[j] - m[j] : xk[j];
+                if (sd)
+                    for (int64_t j = 0; j < D; j++) rk[r + j] = rk[r + j] / sd[j];
+                memcpy(rv + r, s->tail_v + t, sizeof(float) * (size_t)D);
+                if (s->rot_scale > 0.0f) {
+                    fwht_row(rk + r, D, s->rot_scale);
+                    fwht_row(rv + r, D, s->rot_scale);
+                }
+            }
+        int rc = kvq_write(s->first_k, rk, B, H, 1, D, H * D, D, D, first_index, s->first_threads);
+        if (rc) return rc < 0 ? -1 : 1;
+        rc = kvq_write(s->first_v, rv, B, H, 1, D, H * D, D, D, first_index, s->first_threads);
+        if (rc) return rc < 0 ? -1 : 2;
+    }
+    if (move_from >= 0 && s->move_src_k) {
+        int rc = kvq_transcode(s->move_src_k, B, H, move_from, 1, D, s->move_dst_k, move_to, 0, s->move_threads);
+        if (rc) return rc < 0 ? -1 : 3;
+        rc = kvq_transcode(s->move_src_v, B, H, move_from, 1, D, s->move_dst_v, move_to, 0, s->move_threads);
+        if (rc) return rc < 0 ? -1 : 4;
+    }
+    return 0;
+}

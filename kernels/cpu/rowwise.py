@@ -31,7 +31,7 @@ def rotate_native(x: torch.Tensor) -> torch.Tensor:
     n = rows.shape[0]
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)  # [n, D]
     library().kvq_rotate(
-        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, _hadamard_norm(d), work_threads(n)
+        rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d, hadamard_norm(d), work_threads(n)
     )
     return out.view(x.shape)
 
@@ -49,13 +49,13 @@ def rotate_pair_native(k: torch.Tensor, v: torch.Tensor, mean: torch.Tensor | No
     out = torch.empty(2, b, h, n, d, dtype=torch.float32)
     library().kvq_rotate_pair(
         k.data_ptr(), *k.stride()[:3], v.data_ptr(), *v.stride()[:3], b, h, n, d,
-        *(None if t is None else t.data_ptr() for t in stats), _hadamard_norm(d), out.data_ptr(),
+        *(None if t is None else t.data_ptr() for t in stats), hadamard_norm(d), out.data_ptr(),
     )  # fmt: skip
     return out[0], out[1]
 
 
 @functools.lru_cache(maxsize=64)
-def _hadamard_norm(d: int) -> float:
+def hadamard_norm(d: int) -> float:
     """The normalization of the Hadamard rotation of ``d`` channels: ``1 / sqrt(block)``."""
     return 1.0 / math.sqrt(rotation_block(d))
 

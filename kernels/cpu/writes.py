@@ -76,7 +76,7 @@ _WRITER_KINDS = {
     "kvq_quantize_fp8": 2,
     "kvq_quantize_trellis": 3,
 }
-_WRITERS: dict[tuple, Writer] = {}  # described writes by buffer address and layout (see _cached_writer)
+_WRITERS: dict[tuple, Writer] = {}  # described writes by buffer address and layout (see cached_writer)
 
 
 def _writer_of(codes, scale, zero, fmt: str, block: int = 1) -> Writer:
@@ -102,7 +102,7 @@ def _writer_of(codes, scale, zero, fmt: str, block: int = 1) -> Writer:
     return w
 
 
-def _cached_writer(codes, scale, zero, fmt: str, block: int = 1) -> Writer:
+def cached_writer(codes, scale, zero, fmt: str, block: int = 1) -> Writer:
     """:func:`_writer_of`, memoised as :func:`cached_operand` is: a pure function of the format, the
     block and each buffer's address, shape, strides and dtype (a store writes into the same buffers
     step after step)."""
@@ -124,7 +124,7 @@ class NativeWrite:
     """
 
     def __init__(self, codes, scale, zero, fmt: str, block: int = 1):
-        self._w = _cached_writer(codes, scale, zero, fmt, block)
+        self._w = cached_writer(codes, scale, zero, fmt, block)
         self._keep = (codes, scale, zero)  # the buffers written stay alive with the plan
         self._fn, self._fmt, self._block = library().kvq_write, fmt, block
 
@@ -199,7 +199,7 @@ class NativeTranscode:
             *dst[:3],
         ]  # (the buffers read and written stay alive with the plan)
         self._op = cached_operand(codes, scale, zero, fmt, group, axis, self._keep)
-        self._w = _cached_writer(*dst)
+        self._w = cached_writer(*dst)
         self._fn, self._b, self._h = library().kvq_transcode, codes.shape[0], codes.shape[1]
         self._d, self._via, self._dst_fmt = head_dim, _VIA[via], dst[3]
 

@@ -52,6 +52,7 @@ class LayerEdits:
             self.tail.reset(aligned, k, v)
         self.seq_len = new_len
         self.plans.clear()
+        self._step = None
         self._after_crop()
 
     def _after_crop(self) -> None:
@@ -61,6 +62,7 @@ class LayerEdits:
         if not self.is_initialized:
             return
         self.plans.clear()
+        self._step = None
         for part in (*self.tiers, self.tail, self.transform):
             part.map_batch(fn)
         if self.sinks is not None:

@@ -89,6 +89,7 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
         self.pads: torch.Tensor | None = None  # [B] left-padding length of each row
         self.pads_max = 0
         self.plans: dict = {}  # the kvquant attention's decode plan for these tiers (see KVView.plans)
+        self._step: tuple | None = None  # (buffer ids, ops.plan_append_step run or None) (_append_step)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -225,6 +226,8 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
 
     def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail."""
+        if k.shape[2] == 1 and self._append_step(k, v):
+            return
         if k.requires_grad or v.requires_grad:  # the store holds data, never an autograd graph
             k, v = k.detach(), v.detach()
         if self.seq_len == 0:
@@ -248,6 +251,82 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
         self.seq_len += k.shape[2]
         self._after_append()
 
+    def _append_step(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """A decode step's append (``k, v [B, H, 1, D]``) in one planned op
+        (``ops.plan_append_step``: one C call on CPU) where the step is a steady one: the tail full,
+        its oldest token leaving and no buffer moving, growing or being fitted this step, no sink
+        left to capture. Leaves the state :meth:`append` would; False (nothing done): it runs."""
+        tail, tiers = self.tail, self.tiers
+        held = tail.end - tail.begin
+        if (
+            not tiers
+            or tail.block != 1
+            or held != tail.residual
+            or held < 1
+            or tail.off + held + 1 > tail.k.shape[2]
+            or k.requires_grad
+            or v.requires_grad
+            or self.transform.needs_fit
+            or (self.sinks is not None and self.sinks.held and self.seq_len < self.pads_max + self.sinks.n)
+        ):
+            return False
+        first, main = tiers[-1], tiers[0]
+        if first.end + 1 - first.origin > first.k_store.capacity:
+            return False
+        move_from = move_to = -1
+        if first is not main and first.end - first.low >= first.limit:  # the window's oldest leaves
+            if first.end - first.low > first.limit or main.end + 1 - main.origin > main.k_store.capacity:
+                return False
+            move_from, move_to = first.low - first.origin, main.end - main.origin
+        run = self._step_plan(first, main)
+        if run is None:
+            return False
+        run(k, v, tail.off + held, tail.off, first.end - first.origin, move_from, move_to)
+        self.plans.pop("stale", None)
+        tail.end += 1
+        tail.begin += 1
+        tail.off += 1
+        if move_from >= 0:
+            first.low += 1
+            main.end += 1
+        first.end += 1
+        first.begin = max(first.begin, first.low)
+        self.seq_len += 1
+        self._after_append()
+        return True
+
+    def _step_plan(self, first: QuantizedSegment, main: QuantizedSegment):
+        """``ops.plan_append_step`` for the tail and tiers' current buffers (made when they or the
+        transform's statistics changed since the last step, else the one it ran then; None: no
+        backend plans it)."""
+        stats = self.transform.step_stats()
+        buffers = (self.tail.k, self.tail.v, *stats)
+        buffers += tuple(
+            t for s in (first.k_store, first.v_store, main.k_store, main.v_store) for t in s.buffers()
+        )
+        key = tuple(map(id, buffers))
+        if self._step is None or self._step[0] != key:
+            if (
+                self.key_map is not None
+                or self.head_dim != self.value_head_dim
+                or self.tail.k.dtype != torch.float32
+                or self.tail.v.dtype != torch.float32
+            ):
+                run = None  # (what the planned step takes: fp32 rows, the transform without a key map)
+            else:
+                move = None
+                if first is not main:
+                    move = (
+                        (first.k_store.source(), first.v_store.source()),
+                        (main.k_store.dest(), main.v_store.dest()),
+                    )
+                run = ops.plan_append_step(
+                    (self.tail.k, self.tail.v), stats, self.transform.rotated,
+                    (first.k_store.dest(), first.v_store.dest()), move, head_dim=self.head_dim,
+                )  # fmt: skip
+            self._step = (key, run, buffers)  # (the buffers held: their ids stay theirs)
+        return self._step[1]
+
     def _operand_ids(self) -> list[int]:
         return [id(o) for t in self.tiers for o in t.operands()]
 
@@ -257,6 +336,7 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
         ids of its operands, alive while that view is: dropped at the next append)."""
         self.plans.clear()
         self.plans["stale"] = frozenset(stale)
+        self._step = None
 
     def _after_append(self) -> None:
         """Hook for subclasses (a sliding layer evicts here)."""

@@ -155,6 +155,20 @@ class TokenStore:
             )
         return self._operand
 
+    def buffers(self) -> tuple[torch.Tensor | None, ...]:
+        """Every buffer the store writes or reads: codes, scale, zero point, static scale."""
+        return self.codes, self.scale, self.zero, self.static_scale
+
+    def source(self) -> tuple:
+        """The buffers as ``ops.transcode`` reads a source: ``(codes, scale, zero, fmt, group, axis)``."""
+        scale = self.scale if self.scale is not None else self.static_scale
+        return self.codes, scale, self.zero, self.fmt, self.group_size, self.axis
+
+    def dest(self) -> tuple:
+        """The buffers as ``ops.transcode`` writes a destination: ``(codes, scale, zero, fmt,
+        group_size, axis, static_scale)``."""
+        return (*self.source(), self.static_scale is not None)
+
     # ------------------------------------------------------------------------------------ data
 
     def write_from(self, index: int, src: Operand, i0: int, i1: int, via: torch.dtype) -> None:
@@ -166,15 +180,7 @@ class TokenStore:
         if planned is None or planned[0] is not src or planned[1] != via:  # (once per pair of buffers)
             run = ops.plan_transcode(
                 (src.codes, src.scale, src.zero, src.fmt, src.group, src.axis),
-                (
-                    self.codes,
-                    self.scale if self.scale is not None else self.static_scale,
-                    self.zero,
-                    self.fmt,
-                    self.group_size,
-                    self.axis,
-                    self.static_scale is not None,
-                ),
+                self.dest(),
                 via=via,
                 head_dim=self.head_dim,
             )

@@ -1,0 +1,117 @@
+"""A layer's steady decode steps take one planned op (``ops.plan_append_step``, one C call on CPU)
+and leave the state the general append leaves: every buffer bit for bit, every counter, the
+history read back, over presets with a recent window, sinks, left padding, head groups, a sliding
+window, small capacities that make the tiers grow and move, and crops and beam reorders between
+steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvquant import KVQuantConfig
+from kvquant.cache.factory import make_layer
+from kvquant.kernels.cpu import native_available
+
+needs_c = pytest.mark.skipif(not native_available(), reason="C kernels not built")
+
+B, H, D = 2, 3, 64
+
+CONFIGS = {
+    "int4": KVQuantConfig.resolve("int4"),
+    "tcq2-recent": KVQuantConfig.resolve("tcq2-recent"),
+    "small-recent": KVQuantConfig(
+        key_format="nuq3",
+        value_format="nuq2",
+        rotation="hadamard",
+        smoothing="mean",
+        residual_length=3,
+        sink_tokens=2,
+        recent_length=5,
+        recent_key_format="int8",
+        recent_value_format="int8",
+    ),  # fmt: skip
+    "fp8-plain": KVQuantConfig(key_format="fp8_e4m3", value_format="fp8_e4m3", residual_length=2),
+    "head-groups": KVQuantConfig(
+        key_format="nuq2",
+        value_format="nuq2",
+        rotation="hadamard",
+        residual_length=4,
+        recent_length=6,
+        recent_key_format="nuq4",
+        recent_value_format="nuq4",
+        heads={1: {"key_format": "nuq4", "value_format": "nuq4"}},
+    ),  # fmt: skip
+}
+
+
+def _layers(cfg, sliding):
+    return [make_layer(cfg, sliding, kv_heads=H, initial_capacity=4) for _ in range(2)]
+
+
+def _state(layer):
+    """Every buffer (as bytes) and counter of a layer's leaves."""
+    out = []
+    for leaf in layer.leaves():
+        out += [leaf.seq_len, leaf.tail.begin, leaf.tail.end, leaf.tail.off, leaf.tail.k, leaf.tail.v]
+        for tier in leaf.tiers:
+            out += [tier.begin, tier.end, tier.origin, tier.low]
+            out += [t for s in tier.stores for t in s.buffers() if t is not None]
+        if leaf.sinks is not None and leaf.sinks.held:
+            out += [leaf.sinks.k, leaf.sinks.v]
+    return [x.contiguous().view(torch.uint8) if isinstance(x, torch.Tensor) else x for x in out]
+
+
+def _same(a, b):
+    sa, sb = _state(a), _state(b)
+    return len(sa) == len(sb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(sa, sb, strict=True)
+    )
+
+
+@needs_c
+@pytest.mark.parametrize("sliding", [None, 20], ids=["full", "sliding"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_planned_steps_leave_the_general_state(name, sliding):
+    planned, general = _layers(CONFIGS[name], sliding)
+    for leaf in general.leaves():
+        leaf._append_step = lambda k, v: False  # (this one always takes the general append)
+    taken = []
+    for leaf in planned.leaves():
+        step = leaf._append_step
+        leaf._append_step = lambda k, v, step=step: taken.append(step(k, v)) or taken[-1]
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(30).expand(B, 30) - torch.tensor([[0], [5]])  # row 1: 5 tokens of left padding
+    k, v = torch.randn(B, H, 30, D, generator=g), torch.randn(B, H, 30, D, generator=g)
+    for layer in (planned, general):
+        layer.update(k, v, kwargs={"position_ids": pos.clamp(min=0)})
+    for step in range(70):
+        k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+        for layer in (planned, general):
+            got = layer.update(k, v)
+            if step == 25 and sliding is None:
+                layer.crop(-3)
+            if step == 40:
+                layer.reorder_cache(torch.tensor([1, 0]))
+        assert _same(planned, general), step
+    for x, y in zip(planned.read_history(), general.read_history(), strict=True):
+        assert torch.equal(x, y)
+    assert got[0].shape[2] > 1
+    assert sum(taken) >= 40 * len(planned.leaves()), (sum(taken), len(taken))  # most steps took it
+    assert not all(taken)  # and the steps that move or grow did not
+
+
+@needs_c
+def test_what_the_step_does_not_take_goes_the_general_way():
+    """bf16 rows and channel-axis keys: no plan, every step appends the general way."""
+    for cfg, dtype in (
+        (KVQuantConfig.resolve("int4"), torch.bfloat16),
+        (KVQuantConfig.resolve("kivi4"), torch.float32),
+    ):
+        layer = make_layer(cfg, None, kv_heads=H)
+        layer.update(torch.randn(1, H, 40, D, dtype=dtype), torch.randn(1, H, 40, D, dtype=dtype))
+        for _ in range(5):
+            k = torch.randn(1, H, 1, D, dtype=dtype)
+            assert not layer._append_step(k, k.clone())
+            layer.update(k, k.clone())
+        assert layer.get_seq_length() == 45
