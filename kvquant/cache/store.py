@@ -149,10 +149,7 @@ class TokenStore:
         """The buffers as a kernel reads them: the same object until they change (a grow, a move, a
         batch op), so that a decode plan made for it can be reused step after step."""
         if self._operand is None:
-            scale = self.scale if self.scale is not None else self.static_scale
-            self._operand = Operand(
-                self.codes, scale, self.zero, self.fmt, self.group_size, self.axis, self.head_dim
-            )
+            self._operand = Operand(*self.source(), self.head_dim)
         return self._operand
 
     def buffers(self) -> tuple[torch.Tensor | None, ...]:
@@ -192,16 +189,11 @@ class TokenStore:
         if self.codes.is_meta:  # byte prediction (kvquant.memory): shapes only, nothing to compute
             return
         if self._writer is None:  # planned once per buffers: a decode step pays for the write alone
+            codes, scale, zero, fmt, group, axis, static = self.dest()
             self._writer = ops.plan_quantize_append(
-                self.codes,
-                self.scale if self.scale is not None else self.static_scale,
-                self.zero,
-                fmt=self.fmt,
-                group_size=self.group_size,
-                head_dim=self.head_dim,
-                axis=self.axis,
-                static_scale=self.static_scale is not None,
-            )
+                codes, scale, zero, fmt=fmt, group_size=group, head_dim=self.head_dim, axis=axis,
+                static_scale=static,
+            )  # fmt: skip
         self._writer(x, index)
 
     def read(self, i0: int, i1: int, out_dtype: torch.dtype) -> torch.Tensor:
