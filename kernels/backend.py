@@ -12,7 +12,9 @@ Every backend implements each op it supports with the op's one signature (see ``
   v_group, k_axis, start, end, scaling, softcap, fp_k, fp_v, fp_valid, extra, rotation) -> (out,
   lse)``; a backend with ``takes_fp_tokens = False`` is never handed ``fp_k``, one with
   ``takes_segments = False`` never ``extra`` (the op reads those apart and merges them itself), one
-  with ``takes_rotation = False`` never ``rotation`` (the op rotates around it);
+  with ``takes_rotation = False`` never ``rotation`` (the op rotates around it), one with
+  ``takes_fp_segments = False`` ``fp_k`` / ``fp_v`` as one tensor each (the op joins segments), one
+  with ``takes_smoothing = False`` never ``smoothing`` (the op folds it into the query and fp keys);
 - ``quantize_append(x, codes, scale, zero, index, *, fmt, group_size, axis, static_scale) -> bool``
   (False: refused these values, nothing counted written; the next backend runs, the reference
   raises the spec's error);
@@ -195,7 +197,9 @@ class Backend:
     ``takes_fp_tokens``: ``decode_attention`` attends full-precision tokens in the same softmax itself;
     ``takes_segments``: ``decode_attention`` also reads more quantized segments (``extra``) in it;
     ``takes_rotation``: ``decode_attention`` rotates the query and the fp tokens into the stores'
-    space and the output back itself (``rotation=True``).
+    space and the output back itself (``rotation=True``); ``takes_fp_segments``: ``decode_attention``
+    reads ``fp_k`` / ``fp_v`` given as tuples of segments in place; ``takes_smoothing``: it folds the
+    key smoothing (``smoothing=(mean, std)``) into the query and the fp keys itself.
     """
 
     name = "backend"
@@ -204,6 +208,8 @@ class Backend:
     takes_fp_tokens = False
     takes_segments = False
     takes_rotation = False
+    takes_fp_segments = False
+    takes_smoothing = False
 
     def available(self) -> str | None:
         """None when the backend can run at all (built, importable), else why not."""

@@ -69,6 +69,34 @@ def _decode_fields(k_fmt, v_fmt, d, device, k_axis, k_group, v_group, k_scale, v
     return (k_fmt, v_fmt, d, device, k_axis, k_group, v_group, k_sdt, v_sdt, fp)
 
 
+def _fp_len(fp: torch.Tensor | tuple) -> int:
+    """Tokens in ``fp`` (``[B, H, n, D]``, or a tuple of such segments)."""
+    return fp.shape[2] if isinstance(fp, torch.Tensor) else sum(x.shape[2] for x in fp)
+
+
+def _joined(fp: torch.Tensor | tuple | None) -> torch.Tensor | None:
+    """``fp``'s segments as one ``[B, H, n, D]`` tensor (a tensor as it is)."""
+    if fp is None or isinstance(fp, torch.Tensor):
+        return fp
+    return fp[0] if len(fp) == 1 else torch.cat(fp, 2)
+
+
+def _smoothed(q, fp_k, fp_v, smoothing) -> tuple:
+    """``q [B, Hq, D]`` and the fp tokens in the stores' smoothed space (``smoothing``: ``(mean,
+    std | None)`` ``[B, Hkv, 1, D]``): ``q * std`` (each KV head's for its query heads) and ``(fp_k -
+    mean) / std``, the fp segments joined; what a backend without ``takes_smoothing`` is given."""
+    mean, std = smoothing
+    if std is not None:
+        b, hq, d = q.shape
+        q = (q.float().reshape(b, std.shape[1], -1, d) * std).reshape(b, hq, d)  # std [B, Hkv, 1, D]
+    fp_k, fp_v = _joined(fp_k), _joined(fp_v)
+    if fp_k is not None and fp_k.shape[2]:
+        fp_k = fp_k.float() - mean
+        if std is not None:
+            fp_k = fp_k / std
+    return q, fp_k, fp_v
+
+
 def decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -92,6 +120,7 @@ def decode_attention(
     fp_valid: torch.Tensor | None = None,
     extra: tuple[SegmentRead, ...] = (),
     rotation: bool = False,
+    smoothing: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-query-token attention over buffer indices ``[start[b], end)`` of a quantized store, plus
@@ -103,9 +132,11 @@ def decode_attention(
             ``[B, Hkv, cap, D / G]``, per channel ``[B, Hkv, cap / G, D]`` or static ``[1, Hkv, 1, 1]``).
         start: int64 ``[B]`` first valid buffer index per row; ``end``: exclusive end for every row.
         fp_k / fp_v: ``[B, Hkv, n, D]`` full-precision tokens (sinks, the residual tail, the new
-            token), ``fp_valid [B, n]`` bool (None: all valid). A backend that cannot take them
-            (Triton, chunked, reference) gets the store alone; their dense partial is merged here
-            by log-sum-exp. The C backend takes them in the same kernel call.
+            token), or tuples of such segments (``n`` their total; the C backend reads them in
+            place, for the others the op joins them), ``fp_valid [B, n]`` bool (None: all valid).
+            A backend that cannot take them (chunked, reference) gets the store alone; their dense
+            partial is merged here by log-sum-exp. The C and Triton backends take them in the
+            same call.
         extra: more quantized segments (:class:`SegmentRead`; the recent window), attended in the
             same softmax: in the same kernel call by a backend that reads them all (C), else each
             through its own dispatch and merged here by log-sum-exp.
@@ -113,16 +144,27 @@ def decode_attention(
             key transform's rotation) while ``q``, the fp tokens and the output are in the model's
             space: the C backend rotates them in its kernel call, for the others the op rotates
             ``q`` and the fp tokens in and the output back. The lse is that of the same scores.
+        smoothing: ``(mean, std | None)``, fp32 ``[B, Hkv, 1, D]``: the stores (main and ``extra``)
+            hold keys ``(k - mean) / std`` (the key transform's smoothing) while ``q`` and the fp
+            tokens are the model's own. The C backend folds it in its kernel call (``q`` times
+            ``std``, the fp keys smoothed); for the others the op does it first. The lse is that of
+            the scores ``q . (k - mean)`` (the key transform's ``shift_lse`` makes it the model's).
 
     Returns:
         ``out [B, Hq, D]`` fp32 and ``lse [B, Hq]`` fp32 (natural log; nothing to attend:
         ``out = 0``, ``lse = -inf``).
     """
-    fp = fp_k is not None and fp_k.shape[2] > 0
+    fp = fp_k is not None and _fp_len(fp_k) > 0
     call = _decode_fields(
         k_fmt, v_fmt, q.shape[-1], q.device.type, k_axis, k_group, v_group, k_scale, v_scale, fp
     )
     b = next(pick("decode_attention", call, backend))
+    one_call = not extra or _reads_segments(b, extra, q.shape[-1], q.device.type, forced=backend is not None)
+    if smoothing is not None and not (b.takes_smoothing and one_call):
+        q, fp_k, fp_v = _smoothed(q, fp_k, fp_v, smoothing)
+        smoothing = None
+    if isinstance(fp_k, tuple) and not (b.takes_fp_segments and one_call):
+        fp_k, fp_v = _joined(fp_k), _joined(fp_v)
     kw = dict(
         k_fmt=k_fmt,
         v_fmt=v_fmt,
@@ -135,7 +177,6 @@ def decode_attention(
         softcap=softcap,
     )
     tensors = (q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    one_call = not extra or _reads_segments(b, extra, q.shape[-1], q.device.type, forced=backend is not None)
     if rotation:
         _check_rotation(q.shape[-1])
     if rotation and not (b.takes_rotation and one_call):
@@ -145,6 +186,8 @@ def decode_attention(
         return rotate(out), lse
     if rotation:
         kw["rotation"] = True
+    if smoothing is not None:
+        kw["smoothing"] = smoothing
     if extra:
         if one_call:
             fp_kw = dict(fp_k=fp_k, fp_v=fp_v, fp_valid=fp_valid) if fp else {}
@@ -186,7 +229,7 @@ def plan_decode_attention(
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """:func:`decode_attention` over buffers that stay put, planned once for many calls (a cache's
     decode steps): returns ``run(q, start, end, *, fp_k=None, fp_v=None, fp_valid=None,
-    extra_bounds=())``, the result of :func:`decode_attention` with these arguments, where
+    extra_bounds=(), smoothing=None)``, the result of :func:`decode_attention` with these arguments, where
     ``extra_bounds`` gives each ``extra`` segment's ``(start, end)`` for the call (those in
     ``extra`` are ignored) and ``fp_tokens`` says whether calls pass full-precision tokens.
 
@@ -227,11 +270,12 @@ def plan_decode_attention(
     if run is not None:
         return run
 
-    def run(q, start, end, *, fp_k=None, fp_v=None, fp_valid=None, extra_bounds=()):
+    def run(q, start, end, *, fp_k=None, fp_v=None, fp_valid=None, extra_bounds=(), smoothing=None):
         segments = tuple(replace(x, start=s, end=e) for x, (s, e) in zip(extra, extra_bounds, strict=True))
         return decode_attention(
             q, *tensors, **kw, start=start, end=end, scaling=scaling, softcap=softcap, fp_k=fp_k,
-            fp_v=fp_v, fp_valid=fp_valid, extra=segments, rotation=rotation, backend=backend,
+            fp_v=fp_v, fp_valid=fp_valid, extra=segments, rotation=rotation, smoothing=smoothing,
+            backend=backend,
         )  # fmt: skip
 
     return run

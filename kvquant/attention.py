@@ -129,26 +129,26 @@ def _decode(
     """One query token over the view's tiers and full-precision tokens: ``[B, 1, Hq, D]``."""
     q = query[:, :, 0]  # [B, Hq, D]
     b = q.shape[0]
-    fp_k, fp_v = view.fp_k, view.fp_v  # [B, H_kv, n, D]: sinks, tail, the new token
     valid = view.dense_valid  # [B, n] or None
     if valid is not None:
         new = torch.ones(b, view.new_k.shape[2], dtype=torch.bool, device=valid.device)
         valid = torch.cat([valid, new], dim=1)
     if not view.reads:
         mask = None if valid is None else valid[:, None, None, :]
-        out, lse = dense_attention(q[:, :, None], fp_k, fp_v, mask, scaling, softcap)
+        out, lse = dense_attention(q[:, :, None], view.fp_k, view.fp_v, mask, scaling, softcap)
         return _with_sinks(out, lse, sinks).transpose(1, 2).to(query.dtype)
     t = view.transform
-    # smoothing folded here; the rotation (of q and the fp tokens in, the output back) in the op
-    q_stored = t.fold_query(q, rotate=False)
-    fp_k, fp_v = t.apply(fp_k, fp_v, rotate=False)
+    # the fp tokens as segments (sinks, tail, the new token); the smoothing and the rotation (of q and
+    # the fp tokens in, the output back) folded in the op (a key map: folded here)
+    q_in, fp_k, fp_v, smoothing = t.decode_operands(q, view.fp_parts_k, view.fp_parts_v)
     # the main store, then the recent window: all in the same softmax (one C kernel call on CPU)
     reads = view.reads
-    run = _decode_plan(view, q.shape[-1], scaling, softcap, fp_k.shape[2] > 0)
+    run = _decode_plan(view, q.shape[-1], scaling, softcap, any(x.shape[2] for x in fp_k))
     bounds = tuple((r.start, r.end) for r in reads[1:])
     out, lse = run(
-        q_stored, reads[0].start, reads[0].end, fp_k=fp_k, fp_v=fp_v, fp_valid=valid, extra_bounds=bounds
-    )  # [B, Hq, D]
+        q_in, reads[0].start, reads[0].end, fp_k=fp_k, fp_v=fp_v, fp_valid=valid, extra_bounds=bounds,
+        smoothing=smoothing,
+    )  # fmt: skip
     if sinks is not None:
         out = _with_sinks(out, t.shift_lse(lse, q, scaling), sinks)  # lse of the model's own scores
     out = out.unsqueeze(1)  # [B, 1, Hq, D]

@@ -205,6 +205,17 @@ class KeyTransform:
             k, v = _rotate(k), _rotate(v)
         return k, v
 
+    def decode_operands(self, q: torch.Tensor, fp_k: tuple, fp_v: tuple) -> tuple:
+        """What ``ops.decode_attention`` takes over stores in this transform's space, the rotation
+        aside (the op's ``rotation``): ``(q, fp_k, fp_v, smoothing)`` for a query ``q [B, Hq, D]`` and
+        full-precision tokens given as segments ``[B, H, n_i, D]``. Without a key map ``q`` and the
+        segments go as they are and ``smoothing`` is :meth:`step_stats` (None: no smoothing), which the
+        op folds in; with one, ``q`` and the joined keys come folded here and ``smoothing`` is None."""
+        if self.key_map is None:
+            return q, fp_k, fp_v, self._stats32
+        k, v = self.apply(torch.cat(fp_k, 2), torch.cat(fp_v, 2), rotate=False)
+        return self.fold_query(q, rotate=False), (k,), (v,), None
+
     def undo(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of :meth:`apply` (keys come back fp32 where smoothed)."""
         if self.rotated:

@@ -54,6 +54,8 @@ class CpuBackend(Backend):
     takes_fp_tokens = True
     takes_segments = True
     takes_rotation = True
+    takes_fp_segments = True
+    takes_smoothing = True
 
     def available(self) -> str | None:
         return None if native_available() else f"C kernels unavailable: {native_error()}"

@@ -16,7 +16,7 @@ import math
 import torch
 
 from kvquant.formats import FORMAT_NAMES, format_spec
-from kvquant.kernels.cpu.build import Operand, library, native_error
+from kvquant.kernels.cpu.build import FpRows, Operand, library, native_error
 from kvquant.kernels.hadamard import rotation_block
 
 MAX_HEAD_DIM = 512
@@ -218,7 +218,7 @@ class NativeDecode:
             self._ends = (ctypes.c_int64 * n_x)()
         self._scaling, self._softcap = float(scaling), 0.0 if softcap is None else float(softcap)
         self._rotation = 1.0 / math.sqrt(rotation_block(head_dim)) if rotation else 0.0
-        self._fp = (Operand(bits=32, n_groups=1, group=1), Operand(bits=32, n_groups=1, group=1))
+        self._fp: dict[int, tuple] = {}  # segments -> (FpRows, its Operand and length arrays)
 
     def __call__(
         self,
@@ -230,12 +230,14 @@ class NativeDecode:
         fp_v: torch.Tensor | None = None,
         fp_valid: torch.Tensor | None = None,
         extra_bounds: tuple = (),
+        smoothing: tuple | None = None,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         threads: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Hq, D], lse [B, Hq])`` fp32; ``extra_bounds``: ``(start [B], end)`` of each
-        ``extra`` segment, in order."""
+        ``extra`` segment, in order; ``fp_k`` / ``fp_v``: one tensor or a tuple of segments (read in
+        place); ``smoothing``: ``(mean, std | None)``, as :func:`decode_attention_native` takes it."""
         b, hq, d = q.shape
         if d != self._d or hq % self._hkv:
             raise ValueError(
@@ -254,13 +256,9 @@ class NativeDecode:
             return out, lse
         if start.dtype != torch.int64 or not start.is_contiguous():
             start = start.to(torch.int64).contiguous()  # the kernel skips each row's tokens before start[b]
-        n_fp, fk, fv, valid = 0, None, None, None
-        if fp_k is not None and fp_k.shape[2] > 0:
-            n_fp = fp_k.shape[2]
-            fp_k, fp_v = _fp_rows(fp_k, self._fp[0]), _fp_rows(fp_v, self._fp[1])  # (kept alive here)
-            fk, fv = ctypes.byref(self._fp[0]), ctypes.byref(self._fp[1])
-            if fp_valid is not None:
-                valid = fp_valid.to(torch.uint8).contiguous()
+        fp, keep = None, None
+        if fp_k is not None or smoothing is not None:
+            fp, keep = self._fp_rows(fp_k, fp_v, fp_valid, smoothing, b)  # (kept alive here)
         xstart = xend = starts = None
         if self._n_x:
             s0 = extra_bounds[0][0]
@@ -275,12 +273,66 @@ class NativeDecode:
             qf.data_ptr(), b, self._hkv, hq // self._hkv, d, ctypes.byref(self._k), ctypes.byref(self._v),
             start.data_ptr(), end, self._scaling, self._softcap, out.data_ptr(), lse.data_ptr(),
             work_threads(b * self._hkv * end) if threads is None else threads,
-            fk, fv, None if valid is None else valid.data_ptr(), n_fp, self._xk, self._xv, xstart, xend,
-            self._n_x, self._rotation,
+            fp, self._xk, self._xv, xstart, xend, self._n_x, self._rotation,
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("native CPU decode kernel: out of memory")
         return out, lse
+
+    def _fp_rows(self, fp_k, fp_v, valid, smoothing, b: int):
+        """The ``kvq_fp`` of one call: the fp segments (empty ones left out) pointed at in place, the
+        mask and the statistics; returns it (by reference) and the tensors it points into."""
+        parts_k = (fp_k,) if isinstance(fp_k, torch.Tensor) else tuple(fp_k or ())
+        parts_v = (fp_v,) if isinstance(fp_v, torch.Tensor) else tuple(fp_v or ())
+        if len(parts_k) != len(parts_v):
+            raise ValueError(f"fp_k / fp_v: {len(parts_k)} key segments but {len(parts_v)} value segments")
+        shape = (b, self._hkv, self._d)
+        parts = []
+        for k, v in zip(parts_k, parts_v, strict=True):
+            if (k.shape[0], k.shape[1], k.shape[3]) != shape or k.shape != v.shape:
+                raise ValueError(
+                    f"fp_k / fp_v: expected segments [B, Hkv, n, D] = [{b}, {self._hkv}, n, {self._d}] of one "
+                    f"shape each, got {tuple(k.shape)} and {tuple(v.shape)}"
+                )
+            if k.shape[2]:
+                parts.append((k, v))
+        n_seg = len(parts)
+        if n_seg not in self._fp:
+            ks = (Operand * max(n_seg, 1))(
+                *(Operand(bits=32, n_groups=1, group=1) for _ in range(max(n_seg, 1)))
+            )
+            vs = (Operand * max(n_seg, 1))(
+                *(Operand(bits=32, n_groups=1, group=1) for _ in range(max(n_seg, 1)))
+            )
+            lens = (ctypes.c_int64 * max(n_seg, 1))()
+            self._fp[n_seg] = (FpRows(ks, vs, lens, n_seg), ks, vs, lens)
+        rows, ks, vs, lens = self._fp[n_seg]
+        keep, n = [], 0
+        for i, (k, v) in enumerate(parts):
+            keep += (_point_rows(k, ks[i]), _point_rows(v, vs[i]))
+            lens[i] = k.shape[2]
+            n += k.shape[2]
+        rows.n, rows.valid = n, None
+        if valid is not None and n:
+            if tuple(valid.shape) != (b, n):
+                raise ValueError(f"fp_valid: expected [B, n] = [{b}, {n}], got {tuple(valid.shape)}")
+            valid = valid.to(torch.uint8).contiguous()
+            keep.append(valid)
+            rows.valid = valid.data_ptr()
+        rows.mean = rows.std = None
+        if smoothing is not None:
+            for name, t in zip(("mean", "std"), smoothing, strict=True):
+                if t is None:
+                    continue
+                if tuple(t.shape) != (b, self._hkv, 1, self._d):
+                    raise ValueError(
+                        f"smoothing: expected {name} [B, Hkv, 1, D] = [{b}, {self._hkv}, 1, {self._d}], "
+                        f"got {tuple(t.shape)}"
+                    )
+                t = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+                keep.append(t)
+                setattr(rows, name, t.data_ptr())
+        return ctypes.byref(rows), keep
 
 
 def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -290,14 +342,20 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
         )
 
 
-def _fp_rows(x: torch.Tensor, op: Operand) -> torch.Tensor:
+def _point_rows(x: torch.Tensor, op: Operand) -> torch.Tensor:
     """Point ``op`` at full-precision rows ``x [B, Hkv, n, D]`` as 32-bit codes (byte strides, no
     scales); returns the fp32 tensor it points into (keep it alive for the call)."""
-    x = x.float()
-    if x.stride(-1) != 1:
+    if x.dtype != torch.float32:
+        x = x.float()
+    st = x.stride()
+    if st[3] != 1:
         x = x.contiguous()
+        st = x.stride()
+    sh = x.shape
     op.codes = x.data_ptr()
-    op.code_sb, op.code_sh, op.code_st = (4 * s for s in elem_strides(x))
+    op.code_sb = 0 if sh[0] == 1 else 4 * st[0]  # (0 where the dim broadcasts, as elem_strides)
+    op.code_sh = 0 if sh[1] == 1 else 4 * st[1]
+    op.code_st = 0 if sh[2] == 1 else 4 * st[2]
     return x
 
 
@@ -327,13 +385,17 @@ def decode_attention_native(
     lse: torch.Tensor | None = None,
     extra: tuple = (),
     rotation: bool = False,
+    smoothing: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kvquant.kernels.chunked.decode_attention_torch` in C (CPU tensors; see there for shapes):
     one :class:`NativeDecode` call.
 
-    ``fp_k / fp_v [B, Hkv, n, D]`` with ``fp_valid [B, n]`` (bool; None: all valid): full-precision
-    tokens (sinks, residual, the new token) attended in the same softmax where valid, so the result is the whole
-    attention and needs no merge. ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
+    ``fp_k / fp_v [B, Hkv, n, D]`` (or tuples of segments ``[B, Hkv, n_i, D]``, read in place, ``n``
+    their total) with ``fp_valid [B, n]`` (bool; None: all valid): full-precision tokens (sinks,
+    residual, the new token) attended in the same softmax where valid, so the result is the whole
+    attention and needs no merge. ``smoothing``: ``(mean, std | None)`` ``[B, Hkv, 1, D]``: the stores
+    hold keys ``(k - mean) / std`` while ``q`` and the fp tokens are unsmoothed (the kernel multiplies
+    ``q`` by ``std`` and smooths the fp keys; the lse is that of the scores ``q . (k - mean)``). ``threads``: split-KV threads (default: torch's thread count once the work is big enough);
     ``out [B, Hq, D]`` / ``lse [B, Hq]``: fp32 contiguous buffers to write into (default: new).
     ``extra``: more segments (:class:`kvquant.kernels.backend.SegmentRead`) in the same softmax;
     ``rotation``: the stores hold Hadamard-rotated vectors, ``q``, the fp tokens and ``out`` do not
@@ -369,6 +431,7 @@ def decode_attention_native(
         fp_v=fp_v,
         fp_valid=fp_valid,
         extra_bounds=bounds,
+        smoothing=smoothing,
         out=out,
         lse=lse,
         threads=threads,

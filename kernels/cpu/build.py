@@ -96,6 +96,22 @@ class Writer(ctypes.Structure):
     ]
 
 
+class FpRows(ctypes.Structure):
+    """Mirror of ``kvq_fp`` in decode_cpu.c (a decode's full-precision tokens in segments, and the key
+    smoothing)."""
+
+    _fields_ = [
+        ("k", ctypes.POINTER(Operand)),
+        ("v", ctypes.POINTER(Operand)),
+        ("len", ctypes.POINTER(ctypes.c_int64)),
+        ("n_seg", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("valid", ctypes.c_void_p),
+        ("mean", ctypes.c_void_p),
+        ("std", ctypes.c_void_p),
+    ]
+
+
 class Step(ctypes.Structure):
     """Mirror of ``kvq_step`` in quantize_cpu.c (one decode step's append of a cache layer)."""
 
@@ -167,7 +183,7 @@ def _load(path: Path) -> ctypes.CDLL:
     fn = lib.kvq_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [p, i64, i64, i64, i64, op, op, p, i64, ctypes.c_float, ctypes.c_float, p, p, ctypes.c_int]
-    fn.argtypes += [op, op, p, i64, op, op, p, p, i64, ctypes.c_float]
+    fn.argtypes += [ctypes.POINTER(FpRows), op, op, p, p, i64, ctypes.c_float]
     qz = lib.kvq_quantize
     qz.restype = ctypes.c_int
     qz.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, i64]

@@ -1234,6 +1234,20 @@ static void decode_head(const float *qh, int64_t G, int64_t D, const kvq_operand
     decode_head_generic(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, sc, m, l, acc, valid);
 }
 
+/* What a decode attends besides the stores: full-precision tokens in n_seg segments (the sinks,
+ * the residual tail, the new token), read in place, in the same softmax; and the key smoothing the
+ * stores were written with. */
+typedef struct {
+    const kvq_operand *k, *v; /* [n_seg] fp32 rows (bits 32), in token order */
+    const int64_t *len;       /* [n_seg] tokens of each segment */
+    int64_t n_seg, n;         /* n: the tokens of every segment */
+    const uint8_t *valid;     /* [B, n]: 1 = attend; NULL: all */
+    const float *mean, *std;  /* [B, Hkv, D] fp32, or NULL: the stores hold keys (k - mean) / std while
+                                 q and the fp tokens are the model's own: q is multiplied by std, the
+                                 fp keys have mean taken out and are divided by std (the lse is that
+                                 of the scores q . (k - mean)) */
+} kvq_fp;
+
 typedef struct {
     const float *q;
     int64_t B, Hkv, G, D;
@@ -1242,9 +1256,8 @@ typedef struct {
     int64_t r0, r1; /* this worker's token range of the slice */
     float scaling, softcap;
     float *acc, *m, *l; /* partials: [B, Hkv, G, D], [B, Hkv, G], [B, Hkv, G] */
-    const kvq_operand *fp_k, *fp_v; /* full-precision tokens (first job only), or NULL */
-    const uint8_t *fp_valid;       /* [B, n_fp]: 1 = attend */
-    int64_t n_fp;
+    const kvq_fp *fp;              /* full-precision tokens and key smoothing, or NULL */
+    int64_t n_fp;                  /* fp tokens this job reads: fp->n for the first job, else 0 */
     const kvq_operand *xk, *xv;    /* more quantized segments (first job only): [n_x] each */
     const int64_t *xstart, *xend;  /* [n_x, B] first token per row, [n_x] exclusive ends */
     int64_t n_x;
@@ -1256,17 +1269,18 @@ typedef struct {
 /* Unnormalized partial attention of every (row, head) over tokens [r0, r1) of the slice. */
 static void *run_job(void *arg) {
     kvq_job *j = arg;
-    const int64_t G = j->G, D = j->D;
+    const int64_t G = j->G, D = j->D, n_fp = j->n_fp;
     const int64_t rows = BLOCK_T > 16 ? BLOCK_T : 16;
+    const kvq_fp *fp = j->fp;
+    const float *mean = fp ? fp->mean : NULL, *std = fp ? fp->std : NULL;
     float *kf = malloc(sizeof(float) * (size_t)(rows * D));
     float *vf = malloc(sizeof(float) * (size_t)(rows * D));
     uint8_t *idx = malloc((size_t)D);
     float *sc = malloc(sizeof(float) * (size_t)(G * BLOCK_T));
-    const int rot = j->rot_scale > 0.0f;
-    const int64_t n_fp_rot = rot && j->fp_k ? j->n_fp : 0;
-    float *qr = rot ? malloc(sizeof(float) * (size_t)(G * D)) : NULL;               /* [G, D] */
-    float *fkr = n_fp_rot ? malloc(sizeof(float) * (size_t)(2 * n_fp_rot * D)) : NULL; /* [2, n_fp, D] */
-    j->status = (!kf || !vf || !idx || !sc || (rot && !qr) || (n_fp_rot && !fkr)) ? -1 : 0;
+    const int rot = j->rot_scale > 0.0f, fold = rot || std;
+    float *qr = fold ? malloc(sizeof(float) * (size_t)(G * D)) : NULL;              /* [G, D] */
+    float *fkr = n_fp ? malloc(sizeof(float) * (size_t)(2 * n_fp * D)) : NULL;      /* [2, n_fp, D] */
+    j->status = (!kf || !vf || !idx || !sc || (fold && !qr) || (n_fp && !fkr)) ? -1 : 0;
     for (int64_t b = 0; b < j->B && j->status == 0; b++) {
         for (int64_t h = 0; h < j->Hkv; h++) {
             const int64_t bh = b * j->Hkv + h;
@@ -1274,32 +1288,41 @@ static void *run_job(void *arg) {
             float *acc = j->acc + bh * G * D, *m = j->m + bh * G, *l = j->l + bh * G;
             for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
             for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
-            if (rot) { /* the query into the stores' rotated space */
+            if (fold) { /* the query into the stores' space: times the keys' divisors, then rotated */
                 memcpy(qr, qh, sizeof(float) * (size_t)(G * D));
-                for (int64_t g = 0; g < G; g++) fwht_row(qr + g * D, D, j->rot_scale);
+                if (std)
+                    for (int64_t g = 0; g < G; g++)
+                        for (int64_t d = 0; d < D; d++) qr[g * D + d] *= std[bh * D + d];
+                if (rot)
+                    for (int64_t g = 0; g < G; g++) fwht_row(qr + g * D, D, j->rot_scale);
                 qh = qr;
             }
-            const kvq_operand *fk = j->fp_k, *fv = j->fp_v;
-            kvq_operand rk, rv; /* this (row, head)'s fp tokens, rotated, as 32-bit rows */
-            if (n_fp_rot) {
-                float *rows[2] = {fkr, fkr + n_fp_rot * D};
-                const kvq_operand *src[2] = {j->fp_k, j->fp_v};
-                for (int s = 0; s < 2; s++)
-                    for (int64_t t = 0; t < n_fp_rot; t++) {
-                        load_row(src[s], b, h, t, (int)D, idx, rows[s] + t * D);
-                        fwht_row(rows[s] + t * D, D, j->rot_scale);
+            if (n_fp) { /* the full-precision tokens, once (first job): gathered into the stores' space */
+                float *rk_rows = fkr, *rv_rows = fkr + n_fp * D;
+                int64_t t = 0;
+                for (int64_t s = 0; s < fp->n_seg; s++)
+                    for (int64_t i = 0; i < fp->len[s]; i++, t++) {
+                        float *xk = rk_rows + t * D, *xv = rv_rows + t * D;
+                        load_row(&fp->k[s], b, h, i, (int)D, idx, xk);
+                        load_row(&fp->v[s], b, h, i, (int)D, idx, xv);
+                        if (mean)
+                            for (int64_t d = 0; d < D; d++) xk[d] = xk[d] - mean[bh * D + d];
+                        if (std)
+                            for (int64_t d = 0; d < D; d++) xk[d] = xk[d] / std[bh * D + d];
+                        if (rot) {
+                            fwht_row(xk, D, j->rot_scale);
+                            fwht_row(xv, D, j->rot_scale);
+                        }
                     }
-                rk = *j->fp_k;
-                rk.codes = (const uint8_t *)rows[0];
+                kvq_operand rk = fp->k[0], rv; /* [n_fp, D] rows, the same for every (row, head) */
+                rk.codes = (const uint8_t *)rk_rows;
                 rk.code_sb = rk.code_sh = 0;
                 rk.code_st = (int64_t)sizeof(float) * D;
                 rv = rk;
-                rv.codes = (const uint8_t *)rows[1];
-                fk = &rk, fv = &rv;
+                rv.codes = (const uint8_t *)rv_rows;
+                decode_head(qh, G, D, &rk, &rv, b, h, 0, n_fp, j->scaling, j->softcap, kf, vf, idx, sc, m, l,
+                            acc, fp->valid ? fp->valid + b * n_fp : NULL);
             }
-            if (fk) /* the full-precision tokens, once (first job), masked per row */
-                decode_head(qh, G, D, fk, fv, b, h, 0, j->n_fp, j->scaling, j->softcap, kf, vf, idx,
-                            sc, m, l, acc, j->fp_valid ? j->fp_valid + b * j->n_fp : NULL);
             for (int64_t x = 0; x < j->n_x; x++) { /* more segments (e.g. the recent window), once */
                 const int64_t s0 = j->xstart[x * j->B + b];
                 decode_head(qh, G, D, &j->xk[x], &j->xv[x], b, h, s0 > 0 ? s0 : 0, j->xend[x], j->scaling,
@@ -1326,8 +1349,8 @@ static int64_t first_start(const int64_t *start, int64_t B, int64_t end) {
 
 /* q [B, Hkv, G, D] fp32 contiguous; start [B]: first token of each row in the slice; T: slice length.
  * Writes out [B, Hkv, G, D] and lse [B, Hkv, G] (natural log; -inf and zeros for an empty row).
- * softcap <= 0: none. fp_k / fp_v (bits 32, float rows, n_fp tokens; NULL when n_fp is 0): full-
- * precision tokens attended in the same softmax where fp_valid [B, n_fp] is 1 (NULL: all). xk / xv
+ * softcap <= 0: none. fp (NULL: none): full-precision tokens attended in the same softmax (see
+ * kvq_fp), and the key smoothing the stores were written with (folded into q and the fp keys). xk / xv
  * [n_x]: more quantized segments in the same softmax (the recent window), tokens [xstart[x, b],
  * xend[x]) of each; read by the first thread like the full-precision tokens (they are short).
  * rot_scale > 0 (1 / sqrt(D & -D): see fwht_row): the stores hold Hadamard-rotated vectors (the key
@@ -1339,7 +1362,7 @@ static int64_t first_start(const int64_t *start, int64_t B, int64_t end) {
 int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
                const kvq_operand *k, const kvq_operand *v, const int64_t *start, int64_t T,
                float scaling, float softcap, float *out, float *lse, int n_threads,
-               const kvq_operand *fp_k, const kvq_operand *fp_v, const uint8_t *fp_valid, int64_t n_fp,
+               const kvq_fp *fp,
                const kvq_operand *xk, const kvq_operand *xv, const int64_t *xstart, const int64_t *xend,
                int64_t n_x, float rot_scale) {
     if (n_threads < 1) n_threads = 1;
@@ -1347,6 +1370,7 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
     const int64_t lo = first_start(start, B, T);
     /* the first thread also reads the fp tokens and the other segments: it takes that many fewer
      * tokens of the main slice (ranges of whole 16-token blocks; one thread: the whole slice) */
+    const int64_t n_fp = fp ? fp->n : 0;
     int64_t first_extra = n_fp;
     for (int64_t x = 0; x < n_x; x++) first_extra += xend[x] - first_start(xstart + x * B, B, xend[x]);
     const int64_t per = ((T - lo + first_extra + n_threads - 1) / n_threads + 15) / 16 * 16;
@@ -1363,8 +1387,7 @@ int kvq_decode(const float *q, int64_t B, int64_t Hkv, int64_t G, int64_t D,
         j->r1 = r1 < T ? r1 : T;
         j->scaling = scaling; j->softcap = softcap;
         j->status = 0;
-        j->fp_k = w == 0 && n_fp > 0 ? fp_k : NULL;
-        j->fp_v = fp_v; j->fp_valid = fp_valid; j->n_fp = n_fp;
+        j->fp = fp; j->n_fp = w == 0 ? n_fp : 0;
         j->xk = xk; j->xv = xv; j->xstart = xstart; j->xend = xend; j->n_x = w == 0 ? n_x : 0;
         j->rot_scale = rot_scale;
         if (w == 0) {

@@ -92,6 +92,12 @@ class TailSegment:
             setattr(self, name, new)
         self.off = 0
 
+    def make_room(self, n: int) -> None:
+        """Room for ``n`` more rows past the end (a move, if one is needed, happens now): the next
+        push of up to ``n`` tokens of a decode step then writes past the end and moves nothing."""
+        if self.k is not None:
+            self._reserve(len(self) + n, len(self))
+
     def push(self, k: torch.Tensor, v: torch.Tensor) -> KV | None:
         """Append ``k, v [B, H, n, D]``; return the oldest whole blocks beyond ``residual`` (views
         of the buffer or of the input: use them before the next push)."""

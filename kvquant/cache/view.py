@@ -2,9 +2,11 @@
 
 :class:`KVView` lists, for the positions the call attends to before its own tokens, the quantized
 tiers as :class:`QuantizedRead` (codes and scales read in place by the decode op) and the
-full-precision tokens (sinks, tail) as one dense block, plus the key transform they were stored
-with. Nothing in it changes when the layer appends the call's tokens afterwards: quantized tiers
-only add rows past a read's end or move into new buffers, and the dense block is a copy.
+full-precision tokens (sinks, tail, the call's own) as segments, plus the key transform they were
+stored with. Nothing in it changes when the layer appends the call's tokens afterwards: quantized
+tiers only add rows past a read's end or move into new buffers; a decode step's segments are the
+sinks' and the tail's own rows, which that append leaves in place (it writes past the tail's end,
+room made before the view is taken, and the sinks are complete), and otherwise they are one copy.
 
 :func:`view_of` builds one from a :class:`~kvquant.cache.layer.QuantizedKVLayer`'s tiers (its
 ``view``).
@@ -84,9 +86,10 @@ class KVView:
     """The history a call attends to, as tiers, and the call's own tokens.
 
     ``new_k / new_v [B, H, q, D]``: the call's full-precision tokens. ``reads``: the quantized
-    tiers, oldest first. ``fp_k / fp_v [B, H, s + t + q, D]``: every full-precision token in one
-    copy: the sinks (``n_sinks`` = s of them, when the history still has quantized positions), the
-    tail (t), then the call's own (q). ``dense_valid [B, s + t]`` (False: padding, or a sink
+    tiers, oldest first. ``fp_parts_k / fp_parts_v``: every full-precision token, as segments
+    ``[B, H, n_i, D]`` on the token axis: the sinks (``n_sinks`` = s of them, when the history still
+    has quantized positions), the tail (t), then the call's own (q); ``fp_k / fp_v
+    [B, H, s + t + q, D]`` joins them. ``dense_valid [B, s + t]`` (False: padding, or a sink
     outside the visible history; None: all count). ``sinks_back(x, p0)``: puts the sink values over their slots
     in dequantized positions ``[p0, p0 + n)``. ``plans``: the layer's memo of the decode plan it last
     ran (``ops.plan_decode_attention``: the tiers' buffers described once, reused while they stay).
@@ -97,8 +100,8 @@ class KVView:
     seq_before: int
     hist_begin: int
     reads: list[QuantizedRead]
-    fp_k: torch.Tensor
-    fp_v: torch.Tensor
+    fp_parts_k: tuple[torch.Tensor, ...]
+    fp_parts_v: tuple[torch.Tensor, ...]
     n_sinks: int
     dense_valid: torch.Tensor | None
     pads: torch.Tensor  # [B] int64
@@ -110,6 +113,16 @@ class KVView:
     def shape(self) -> torch.Size:
         b, h, q, d = self.new_k.shape
         return torch.Size((b, h, self.seq_before - self.hist_begin + q, d))
+
+    @property
+    def fp_k(self) -> torch.Tensor:
+        """The full-precision keys in one tensor ``[B, H, s + t + q, D]``."""
+        return _joined(self.fp_parts_k)
+
+    @property
+    def fp_v(self) -> torch.Tensor:
+        """The full-precision values in one tensor ``[B, H, s + t + q, D]``."""
+        return _joined(self.fp_parts_v)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -138,9 +151,17 @@ class KVView:
             k, v = self.sinks_back(k.to(dtype), v.to(dtype), self.reads[0].p0)
             parts_k.append(k)
             parts_v.append(v)
-        parts_k.append(self.fp_k[:, :, self.n_sinks :])  # the tail, then the call's tokens
-        parts_v.append(self.fp_v[:, :, self.n_sinks :])
+        parts_k += self._after_sinks(self.fp_parts_k)  # the tail, then the call's tokens
+        parts_v += self._after_sinks(self.fp_parts_v)
         return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
+
+    def _after_sinks(self, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """``parts`` less their first ``n_sinks`` tokens."""
+        out, skip = [], self.n_sinks
+        for p in parts:
+            out.append(p[:, :, min(skip, p.shape[2]) :])
+            skip = max(skip - p.shape[2], 0)
+        return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,9 +171,17 @@ def _same_start(b: int, index: int, device: torch.device) -> torch.Tensor:
     return torch.full((b,), index, dtype=torch.long, device=device)
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` concatenated on the token axis, always a copy of the cache's own buffers (the tail
-    shifts at the next append); the call's tokens (the last part) alone are used as they are."""
+def _joined(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``parts`` ``[B, H, n_i, D]`` as one tensor on the token axis (the only non-empty one as it is)."""
+    full = [p for p in parts if p.shape[2]]
+    if len(full) == 1:
+        return full[0]
+    return torch.cat(list(parts), 2)
+
+
+def _one_copy(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``parts`` concatenated on the token axis, a copy of the cache's own buffers; the call's tokens
+    (the last part) alone are used as they are."""
     if parts[-1].shape[2] and not any(p.shape[2] for p in parts[:-1]):
         return parts[-1]
     return torch.cat(parts, 2)
@@ -161,7 +190,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 def view_of(layer, k: torch.Tensor, v: torch.Tensor) -> KVView:
     """A :class:`KVView` of ``layer``'s history (a :class:`~kvquant.cache.layer.QuantizedKVLayer`)
     before the call's ``k, v [B, H, q, D]`` are appended: its tiers as reads, its sinks, tail and
-    ``k, v`` as one dense block."""
+    ``k, v`` as full-precision segments."""
     begin, store_end = layer.history_begin(), layer.store_end
     sinks = layer.sinks is not None and layer.sinks.held
     n_s = layer.sinks.n if sinks else 0
@@ -176,12 +205,18 @@ def view_of(layer, k: torch.Tensor, v: torch.Tensor) -> KVView:
                 start = torch.clamp(first, min=p0) - tier.origin  # [B]
             reads.append(QuantizedRead(*tier.operands(), p0, p1, tier.origin, start))
         lo = max(lo, p1)
-    tail_k, tail_v = layer.tail.read(begin)  # views: the one copy is the cat below
     with_sinks = sinks and begin < store_end
-    fp_k, fp_v = [tail_k, k], [tail_v, v]
+    # a decode step's own rows stay put through its append (see the module's docstring); otherwise
+    # (more tokens, or a sink still being captured) the segments are one copy
+    in_place = k.shape[2] == 1 and not (sinks and layer.seq_len < layer.pads_max + layer.sinks.n)
+    if in_place:
+        layer.tail.make_room(1)
+    tail_k, tail_v = layer.tail.read(begin)  # views of the tail's buffer
+    fp_k, fp_v = (tail_k, k), (tail_v, v)
     if with_sinks:
-        fp_k.insert(0, layer.sinks.k)
-        fp_v.insert(0, layer.sinks.v)
+        fp_k, fp_v = (layer.sinks.k, *fp_k), (layer.sinks.v, *fp_v)
+    if not in_place:
+        fp_k, fp_v = (_one_copy(fp_k),), (_one_copy(fp_v),)
     all_valid = layer.pads_max == 0 and begin == 0 and (not with_sinks or layer.sinks.n <= store_end)
     valid = None
     if not all_valid:  # [B, n]: padding, and sinks outside the visible history, do not count
@@ -194,8 +229,8 @@ def view_of(layer, k: torch.Tensor, v: torch.Tensor) -> KVView:
         seq_before=layer.seq_len,
         hist_begin=begin,
         reads=reads,
-        fp_k=_joined(fp_k),  # [B, H, s + t + q, D]
-        fp_v=_joined(fp_v),
+        fp_parts_k=fp_k,  # [B, H, n_i, D] each: s + t + q tokens
+        fp_parts_v=fp_v,
         n_sinks=layer.sinks.n if with_sinks else 0,
         dense_valid=valid,
         pads=layer.pads,

@@ -490,6 +490,100 @@ def test_rotation_rotates_the_query_and_fp_tokens_in_and_the_output_back(backend
     _close(got, (rot(w_out), w_lse))
 
 
+def _fp_segments(b=2, hkv=2, d=64, seed=21):
+    """Full-precision tokens as a cache hands them over: sinks (a buffer of their own), the tail (a
+    strided view into a bigger buffer), an empty segment and the new token (a transposed view)."""
+    torch.manual_seed(seed)
+    buf_k, buf_v = torch.randn(b, hkv, 20, d) * 2 + 1, torch.randn(b, hkv, 20, d)
+    sink_k, sink_v = torch.randn(b, hkv, 3, d) * 3, torch.randn(b, hkv, 3, d)
+    new_k, new_v = torch.randn(b, 1, hkv, d).transpose(1, 2), torch.randn(b, 1, hkv, d).transpose(1, 2)
+    segs_k = (sink_k, buf_k[:, :, 7:12], buf_k[:, :, 0:0], new_k)
+    segs_v = (sink_v, buf_v[:, :, 7:12], buf_v[:, :, 0:0], new_v)
+    mean = torch.randn(b, hkv, 1, d)
+    std = torch.rand(b, hkv, 1, d) * 2 + 0.25
+    return segs_k, segs_v, mean, std
+
+
+def _folded_by_hand(q, segs_k, segs_v, mean, std):
+    """The query and fp tokens in the smoothed space, as a caller without ``smoothing`` passes them."""
+    gq = q.shape[1] // mean.shape[1]
+    qf = q if std is None else q * std[:, :, 0].repeat_interleave(gq, dim=1)
+    fk = torch.cat(segs_k, 2) - mean
+    return qf, (fk if std is None else fk / std), torch.cat(segs_v, 2)
+
+
+@pytest.mark.parametrize("backend", [None, "cpu", "triton", "chunked", "reference"])
+@pytest.mark.parametrize("rotation", [False, True])
+def test_fp_segments_and_smoothing_equal_folding_by_hand(backend, rotation):
+    """``fp_k`` / ``fp_v`` as segments (strided, empty, transposed) and ``smoothing=(mean, std)``:
+    every backend equals the reference given the query and the joined fp keys folded by hand (the C
+    kernel reads the segments in place and folds the statistics itself: bit for bit its own result
+    on the hand-folded inputs), with and without ``std``, also with another segment and holes."""
+    _needs(backend)
+    tensors, args = _decode_case("nuq4", "int4", t=45, k_group=64, v_group=64, seed=13)
+    q = tensors[0] * 2
+    segs_k, segs_v, mean, std = _fp_segments()
+    n = sum(x.shape[2] for x in segs_k)
+    valid = torch.rand(2, n, generator=torch.Generator().manual_seed(2)) > 0.3
+    valid[:, -1] = True
+    recent, *_ = _segment("int4", "nuq3", 17, seed=9)
+    for sd, extra in ((std, ()), (None, (recent,)), (std, (recent,))):
+        qf, fk, fv = _folded_by_hand(q, segs_k, segs_v, mean, sd)
+        common = dict(fp_valid=valid, extra=extra, rotation=rotation)
+        want = ops.decode_attention(qf, *tensors[1:], **args, fp_k=fk, fp_v=fv, **common, backend="reference")
+        got = ops.decode_attention(
+            q, *tensors[1:], **args, fp_k=segs_k, fp_v=segs_v, smoothing=(mean, sd), **common, backend=backend
+        )
+        _close(got, want)
+        if backend == "cpu":
+            same = ops.decode_attention(qf, *tensors[1:], **args, fp_k=fk, fp_v=fv, **common, backend="cpu")
+            assert torch.equal(got[0], same[0]) and torch.equal(got[1], same[1])
+            from kvquant.kernels.cpu import binding
+
+            out, lse = torch.full_like(same[0], float("nan")), torch.full_like(same[1], float("nan"))
+            binding.decode_attention_native(
+                q, *tensors[1:], **args, fp_k=segs_k, fp_v=segs_v, fp_valid=valid, extra=extra,
+                rotation=rotation, smoothing=(mean, sd), out=out, lse=lse,
+            )  # fmt: skip
+            assert torch.equal(out, same[0]) and torch.equal(lse, same[1])  # (poisoned first)
+    # the plan takes them the same way
+    kw = {k: v for k, v in args.items() if k not in ("start", "end")}
+    run = ops.plan_decode_attention(
+        *tensors[1:], **kw, head_dim=64, fp_tokens=True, rotation=rotation, backend=backend
+    )
+    qf, fk, fv = _folded_by_hand(q, segs_k, segs_v, mean, std)
+    want = ops.decode_attention(
+        qf, *tensors[1:], **args, fp_k=fk, fp_v=fv, fp_valid=valid, rotation=rotation, backend="reference"
+    )
+    got = run(q, args["start"], args["end"], fp_k=segs_k, fp_v=segs_v, fp_valid=valid, smoothing=(mean, std))
+    _close(got, want)
+    if rotation and backend != "triton":  # a head of 48 channels: rotation blocks of 16
+        t48, a48 = _decode_case("int8", "int8", d=48, k_group=48, v_group=48, seed=3)
+        s48k, s48v, m48, sd48 = _fp_segments(d=48)
+        qf, fk, fv = _folded_by_hand(t48[0], s48k, s48v, m48, sd48)
+        want = ops.decode_attention(qf, *t48[1:], **a48, fp_k=fk, fp_v=fv, rotation=True, backend="reference")
+        got = ops.decode_attention(
+            *t48, **a48, fp_k=s48k, fp_v=s48v, smoothing=(m48, sd48), rotation=True, backend=backend
+        )
+        _close(got, want)
+
+
+@pytest.mark.skipif(not HAS_C, reason="no C compiler")
+def test_bad_fp_segments_or_statistics_name_the_field():
+    tensors, args = _decode_case("int4", "int4", t=20, k_group=64, v_group=64)
+    segs_k, segs_v, mean, std = _fp_segments()
+    with pytest.raises(ValueError, match="fp_k / fp_v"):
+        ops.decode_attention(*tensors, **args, fp_k=segs_k, fp_v=segs_v[:2], backend="cpu")
+    with pytest.raises(ValueError, match="fp_k / fp_v"):
+        ops.decode_attention(
+            *tensors, **args, fp_k=(segs_k[0][:, :1],), fp_v=(segs_v[0][:, :1],), backend="cpu"
+        )
+    with pytest.raises(ValueError, match="smoothing"):
+        ops.decode_attention(
+            *tensors, **args, fp_k=segs_k, fp_v=segs_v, smoothing=(mean[:, :1], std), backend="cpu"
+        )
+
+
 @pytest.mark.parametrize("backend", [None, "cpu", "triton", "chunked", "reference"])
 @pytest.mark.parametrize("rotation", [False, True])
 def test_a_decode_plan_answers_as_the_op_call_after_call(backend, rotation):
