@@ -282,36 +282,29 @@ class NativeDecode:
     def _fp_rows(self, fp_k, fp_v, valid, smoothing, b: int):
         """The ``kvq_fp`` of one call: the fp segments (empty ones left out) pointed at in place, the
         mask and the statistics; returns it (by reference) and the tensors it points into."""
-        parts_k = (fp_k,) if isinstance(fp_k, torch.Tensor) else tuple(fp_k or ())
-        parts_v = (fp_v,) if isinstance(fp_v, torch.Tensor) else tuple(fp_v or ())
-        if len(parts_k) != len(parts_v):
-            raise ValueError(f"fp_k / fp_v: {len(parts_k)} key segments but {len(parts_v)} value segments")
-        shape = (b, self._hkv, self._d)
-        parts = []
-        for k, v in zip(parts_k, parts_v, strict=True):
-            if (k.shape[0], k.shape[1], k.shape[3]) != shape or k.shape != v.shape:
-                raise ValueError(
-                    f"fp_k / fp_v: expected segments [B, Hkv, n, D] = [{b}, {self._hkv}, n, {self._d}] of one "
-                    f"shape each, got {tuple(k.shape)} and {tuple(v.shape)}"
-                )
-            if k.shape[2]:
-                parts.append((k, v))
-        n_seg = len(parts)
+        if isinstance(fp_k, torch.Tensor):
+            fp_k, fp_v = (fp_k,), (fp_v,)
+        elif fp_k is None:
+            fp_k = fp_v = ()
+        if len(fp_k) != len(fp_v):
+            raise ValueError(f"fp_k / fp_v: {len(fp_k)} key segments but {len(fp_v)} value segments")
+        n_seg = len(fp_k)
         if n_seg not in self._fp:
-            ks = (Operand * max(n_seg, 1))(
-                *(Operand(bits=32, n_groups=1, group=1) for _ in range(max(n_seg, 1)))
-            )
-            vs = (Operand * max(n_seg, 1))(
-                *(Operand(bits=32, n_groups=1, group=1) for _ in range(max(n_seg, 1)))
-            )
-            lens = (ctypes.c_int64 * max(n_seg, 1))()
+            size = max(n_seg, 1)
+            ks = (Operand * size)(*(Operand(bits=32, n_groups=1, group=1) for _ in range(size)))
+            vs = (Operand * size)(*(Operand(bits=32, n_groups=1, group=1) for _ in range(size)))
+            lens = (ctypes.c_int64 * size)()
             self._fp[n_seg] = (FpRows(ks, vs, lens, n_seg), ks, vs, lens)
         rows, ks, vs, lens = self._fp[n_seg]
-        keep, n = [], 0
-        for i, (k, v) in enumerate(parts):
-            keep += (_point_rows(k, ks[i]), _point_rows(v, vs[i]))
-            lens[i] = k.shape[2]
-            n += k.shape[2]
+        keep, n, shape = [], 0, (b, self._hkv, self._d)
+        for i in range(n_seg):  # (an empty segment is pointed at too: it reads no row)
+            k, n_k = _point_rows(fp_k[i], ks[i], shape)
+            v, n_v = _point_rows(fp_v[i], vs[i], shape)
+            if n_k != n_v:
+                raise ValueError(f"fp_k / fp_v: segment {i} has {n_k} keys but {n_v} values")
+            keep += (k, v)
+            lens[i] = n_k
+            n += n_k
         rows.n, rows.valid = n, None
         if valid is not None and n:
             if tuple(valid.shape) != (b, n):
@@ -321,17 +314,9 @@ class NativeDecode:
             rows.valid = valid.data_ptr()
         rows.mean = rows.std = None
         if smoothing is not None:
-            for name, t in zip(("mean", "std"), smoothing, strict=True):
-                if t is None:
-                    continue
-                if tuple(t.shape) != (b, self._hkv, 1, self._d):
-                    raise ValueError(
-                        f"smoothing: expected {name} [B, Hkv, 1, D] = [{b}, {self._hkv}, 1, {self._d}], "
-                        f"got {tuple(t.shape)}"
-                    )
-                t = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
-                keep.append(t)
-                setattr(rows, name, t.data_ptr())
+            mean, std = smoothing
+            rows.mean = _stat_ptr(mean, "mean", shape, keep)
+            rows.std = None if std is None else _stat_ptr(std, "std", shape, keep)
         return ctypes.byref(rows), keep
 
 
@@ -342,21 +327,42 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple) -> None:
         )
 
 
-def _point_rows(x: torch.Tensor, op: Operand) -> torch.Tensor:
-    """Point ``op`` at full-precision rows ``x [B, Hkv, n, D]`` as 32-bit codes (byte strides, no
-    scales); returns the fp32 tensor it points into (keep it alive for the call)."""
+def _point_rows(x: torch.Tensor, op: Operand, shape: tuple) -> tuple[torch.Tensor, int]:
+    """Point ``op`` at full-precision rows ``x [B, Hkv, n, D]`` (``(B, Hkv, D) = shape``) as 32-bit
+    codes (byte strides, no scales); returns the fp32 tensor it points into (keep it alive for the
+    call) and ``n``."""
     if x.dtype != torch.float32:
         x = x.float()
-    st = x.stride()
-    if st[3] != 1:
+    if x.dim() != 4:
+        raise ValueError(f"fp_k / fp_v: expected segments [B, Hkv, n, D], got {tuple(x.shape)}")
+    b, h, n, d = x.shape
+    if (b, h, d) != shape:
+        raise ValueError(
+            f"fp_k / fp_v: expected segments [B, Hkv, n, D] = [{shape[0]}, {shape[1]}, n, {shape[2]}], "
+            f"got {tuple(x.shape)}"
+        )
+    sb, sh, st, sd = x.stride()
+    if sd != 1:
         x = x.contiguous()
-        st = x.stride()
-    sh = x.shape
+        sb, sh, st, sd = x.stride()
     op.codes = x.data_ptr()
-    op.code_sb = 0 if sh[0] == 1 else 4 * st[0]  # (0 where the dim broadcasts, as elem_strides)
-    op.code_sh = 0 if sh[1] == 1 else 4 * st[1]
-    op.code_st = 0 if sh[2] == 1 else 4 * st[2]
-    return x
+    op.code_sb = 0 if b == 1 else 4 * sb  # (0 where the dim broadcasts, as elem_strides)
+    op.code_sh = 0 if h == 1 else 4 * sh
+    op.code_st = 0 if n == 1 else 4 * st
+    return x, n
+
+
+def _stat_ptr(t: torch.Tensor, name: str, shape: tuple, keep: list) -> int:
+    """The address of smoothing statistic ``t [B, Hkv, 1, D]`` as fp32 contiguous (kept in ``keep``)."""
+    b, h, d = shape
+    if t.shape != (b, h, 1, d):
+        raise ValueError(
+            f"smoothing: expected {name} [B, Hkv, 1, D] = [{b}, {h}, 1, {d}], got {tuple(t.shape)}"
+        )
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
 
 
 def decode_attention_native(
