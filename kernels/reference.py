@@ -304,7 +304,7 @@ class AppendStepRef:
     """The torch twin of a cache layer's decode-step append (``ops.plan_append_step``; C:
     :class:`kvquant.kernels.cpu.step.NativeAppendStep`, the same arguments and results): the
     step's ops one by one, as the cache makes them. Raises the spec's error where a write refuses
-    its values (the C step returns the stage instead).
+    its values (the C step returns the stage instead); returns 5 for non-finite states, as C does.
 
     Example:
         >>> run = AppendStepRef(tail_k, tail_v, None, None, True, (dst_k, dst_v), None, head_dim=64)
@@ -321,6 +321,8 @@ class AppendStepRef:
     def __call__(
         self, k, v, tail_row: int, leave_row: int, first_index: int, move_from: int, move_to: int
     ) -> int:
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            return 5  # (as the C step: checked first, nothing written)
         tail_k, tail_v = self._tail
         tail_k[:, :, tail_row] = k[:, :, 0]
         tail_v[:, :, tail_row] = v[:, :, 0]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvquant.kernels.backend import TranscodeCall
+from kvquant.kernels.backend import NONFINITE_INPUT, TranscodeCall
 from kvquant.kernels.dispatch import backends, pick, why_unsupported
 
 # --------------------------------------------------------------------------------------------- quantize
@@ -266,7 +266,8 @@ def plan_append_step(
     (``(k - mean) / std``, then the rotation) and written at ``first_index``; the first tier's
     index ``move_from`` transcoded (through fp32) into the main store at ``move_to``. A negative row
     or index skips its stage. The buffers end as those ops leave them; values a write refuses get
-    that op's own error.
+    that op's own error; non-finite ``k`` / ``v`` raise ``ValueError`` (``NONFINITE_INPUT``) before
+    anything is written.
 
     Example:
         >>> run = plan_append_step((tail_k, tail_v), (mean, std), True, (dst_k, dst_v), head_dim=64)
@@ -313,6 +314,8 @@ def plan_append_step(
 
     def run(k, v, tail_row: int, leave_row: int, first_index: int, move_from: int, move_to: int) -> None:
         stage = step(k, v, tail_row, leave_row, first_index, move_from, move_to)
+        if stage == 5:
+            raise ValueError(NONFINITE_INPUT)
         if stage:
             rest(stage, first_index, move_from, move_to)
 

@@ -855,8 +855,9 @@ int kvq_transcode(const kvq_operand *src, int64_t B, int64_t H, int64_t i0, int6
  *   3. move_from >= 0: token `move_from` of the first tier (move_src_k / _v) is transcoded into the
  *      main store at `move_to` (move_dst_k / _v, kvq_transcode through fp32).
  * The same operations, in the same order, as the cache's Python path makes them one op at a time,
- * so the same bits. Returns 0; -1 out of memory; else the stage whose write refused its values (1
- * first_k, 2 first_v, 3 the move's keys, 4 its values), the stages before it done. */
+ * so the same bits. Returns 0; -1 out of memory; 5 when k or v holds a NaN or an Inf (checked
+ * first: nothing written); else the stage whose write refused its values (1 first_k, 2 first_v, 3
+ * the move's keys, 4 its values), the stages before it done. */
 typedef struct {
     float *tail_k, *tail_v;           /* [B, H, cap, D] fp32 */
     int64_t tsb, tsh, tst;            /* element strides of both tails */
@@ -874,6 +875,13 @@ int kvq_append_step(const kvq_step *s, const float *k, int64_t ksb, int64_t ksh,
                     int64_t vsh, int64_t tail_row, int64_t leave_row, int64_t first_index, int64_t move_from,
                     int64_t move_to) {
     const int64_t B = s->B, H = s->H, D = s->D;
+    int bad = 0; /* the states' finiteness, before anything is written */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *xk = k + b * ksb + h * ksh, *xv = v + b * vsb + h * vsh;
+            for (int64_t j = 0; j < D; j++) bad |= !isfinite(xk[j]) | !isfinite(xv[j]);
+        }
+    if (bad) return 5;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
             const int64_t t = b * s->tsb + h * s->tsh + tail_row * s->tst;

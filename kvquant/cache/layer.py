@@ -184,21 +184,28 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
         anything is stored.
         """
         self._check_states(key_states, value_states)
-        ops.check_finite(key_states, value_states)
-        return self._update_checked(key_states, value_states, **kwargs)
+        # a decode step's values are checked where they are appended: the planned step checks them in
+        # its own pass (nothing written before), the general append first thing
+        checked = not (self.is_initialized and key_states.shape[2] == 1)
+        if checked:
+            ops.check_finite(key_states, value_states)
+        return self._update_checked(key_states, value_states, finite_checked=checked, **kwargs)
 
-    def _update_checked(self, key_states: torch.Tensor, value_states: torch.Tensor, **kwargs):
-        """``update`` once the states passed its checks (a ``HeadSplitLayer`` checks every group first)."""
+    def _update_checked(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, finite_checked: bool = True, **kwargs
+    ):
+        """``update`` once the states passed its checks (a ``HeadSplitLayer`` checks every group first);
+        ``finite_checked`` False: the append checks their values."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         model_kwargs = kwargs.get("kwargs") or {}
         position_ids = model_kwargs.get("position_ids")
         if self.return_view and self.head_dim == self.value_head_dim:  # (the fused decode: one head size)
             view = self.view(key_states, value_states)
-            self.append(key_states, value_states, position_ids)
+            self.append(key_states, value_states, position_ids, finite_checked)
             return view, view
         hist_k, hist_v = self.read_history()
-        self.append(key_states, value_states, position_ids)
+        self.append(key_states, value_states, position_ids, finite_checked)
         if hist_k.shape[2] == 0:
             return key_states, value_states
         return torch.cat([hist_k, key_states], dim=2), torch.cat([hist_v, value_states], dim=2)
@@ -224,10 +231,19 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
         check_layout(k, v, held)
         self._accepted = key  # (the layout of states this initialized layer has taken)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
-        """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail."""
-        if k.shape[2] == 1 and self._append_step(k, v):
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        finite_checked: bool = True,
+    ) -> None:
+        """Add ``k, v [B, H, n, D]`` at positions ``[seq_len, seq_len + n)``; quantize what leaves the tail.
+        ``finite_checked`` False: refuse non-finite values (``ValueError``) before anything is stored."""
+        if k.shape[2] == 1 and self._append_step(k, v):  # (checks the values itself)
             return
+        if not finite_checked:
+            ops.check_finite(k, v)
         if k.requires_grad or v.requires_grad:  # the store holds data, never an autograd graph
             k, v = k.detach(), v.detach()
         if self.seq_len == 0:

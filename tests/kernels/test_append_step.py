@@ -157,6 +157,34 @@ def test_refused_values_raise_the_ops_error():
 
 
 @needs_c
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_states_are_refused_before_anything_is_written(bad):
+    """A NaN or Inf in the new key or value: the C step and its twin return 5 with every buffer
+    untouched, and the planned op raises the cache's own error."""
+    tail, st, first, move, k, v = _case(64, ("nuq4", "nuq4"), ("tcq2", "tcq2"), "mean", True, torch.float16)
+    for bad_arg in (0, 1):
+        kk, vv = k.clone(), v.clone()
+        (kk, vv)[bad_arg][1, 2, 0, 17] = bad
+        for which in ("cpu", "reference"):
+            t, f, m = _copies(tail, first, move)
+            if which == "cpu":
+                with pytest.raises(ValueError, match="NaN or Inf"):
+                    ops.plan_append_step(t, st, True, f, m, head_dim=64)(kk, vv, 9, 2, 5, 4, 7)
+                from kvquant.kernels.cpu.step import NativeAppendStep
+
+                t, f, m = _copies(tail, first, move)
+                rc = NativeAppendStep(*t, *st, True, f, m, head_dim=64)(kk, vv, 9, 2, 5, 4, 7)
+            else:
+                rc = AppendStepRef(*t, *st, True, f, m, head_dim=64)(kk, vv, 9, 2, 5, 4, 7)
+            assert rc == 5
+            for a, b in zip(t, tail, strict=True):
+                assert torch.equal(a, b)
+            for a, orig in zip(f + m[1], first + move[1], strict=True):
+                for x1, x2 in zip(a[:3], orig[:3], strict=True):
+                    assert x1 is None or torch.equal(_bytes(x1), _bytes(x2))
+
+
+@needs_c
 def test_what_no_backend_plans_gets_none():
     tail, st, first, move, *_ = _case(64, ("int4", "int4"), None, "mean", True, torch.float16)
     bf16 = tuple(t.to(torch.bfloat16) for t in tail)

@@ -62,11 +62,14 @@ def _state(layer):
     return [x.contiguous().view(torch.uint8) if isinstance(x, torch.Tensor) else x for x in out]
 
 
-def _same(a, b):
-    sa, sb = _state(a), _state(b)
+def _same_state(sa, sb):
     return len(sa) == len(sb) and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(sa, sb, strict=True)
     )
+
+
+def _same(a, b):
+    return _same_state(_state(a), _state(b))
 
 
 @needs_c
@@ -115,3 +118,31 @@ def test_what_the_step_does_not_take_goes_the_general_way():
             assert not layer._append_step(k, k.clone())
             layer.update(k, k.clone())
         assert layer.get_seq_length() == 45
+
+
+@needs_c
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("name", ["int4", "tcq2-recent"])
+def test_a_planned_step_refuses_non_finite_states_before_storing(name, bad):
+    """A decode step's values are checked by the planned step itself (``update`` leaves it to the
+    append): non-finite keys or values raise the cache's own error, and every buffer and counter is
+    as it was; the next step is planned again."""
+    layer = make_layer(CONFIGS[name], None, kv_heads=H)
+    g = torch.Generator().manual_seed(3)
+    layer.update(torch.randn(B, H, 40, D, generator=g), torch.randn(B, H, 40, D, generator=g))
+    for _ in range(3):
+        layer.update(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
+    taken = []
+    for leaf in layer.leaves():
+        step = leaf._append_step
+        leaf._append_step = lambda k, v, step=step: taken.append(step(k, v)) or taken[-1]
+    before = _state(layer)
+    for which in (0, 1):
+        k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+        (k, v)[which][1, 2, 0, 5] = bad
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            layer.update(k, v)
+        assert _same_state(before, _state(layer))
+    assert not taken  # (the step raised: it returned nothing)
+    layer.update(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
+    assert taken and all(taken) and layer.get_seq_length() == 44
