@@ -2,7 +2,8 @@
 and leave the state the general append leaves: every buffer bit for bit, every counter, the
 history read back, over presets with a recent window, sinks, left padding, head groups, a sliding
 window, small capacities that make the tiers grow and move, and crops and beam reorders between
-steps."""
+steps. A decode step's view reads the sinks' and the tail's rows in place, and the step's append
+leaves them as they were."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ CONFIGS = {
         recent_value_format="nuq4",
         heads={1: {"key_format": "nuq4", "value_format": "nuq4"}},
     ),  # fmt: skip
+}
+
+
+SEGMENT_CONFIGS = {
+    **{name: CONFIGS[name] for name in ("int4", "tcq2-recent", "small-recent")},
+    "int8": KVQuantConfig.resolve("int8"),  # (no tail)
+    "kivi2": KVQuantConfig.resolve("kivi2"),  # (keys per channel: the tail leaves in blocks)
 }
 
 
@@ -146,3 +154,35 @@ def test_a_planned_step_refuses_non_finite_states_before_storing(name, bad):
     assert not taken  # (the step raised: it returned nothing)
     layer.update(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
     assert taken and all(taken) and layer.get_seq_length() == 44
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sliding", [None, 24], ids=["full", "sliding"])
+@pytest.mark.parametrize("name", list(SEGMENT_CONFIGS))
+def test_a_decode_views_segments_survive_its_append(name, sliding, dtype):
+    """A decode step's view hands the attention the sinks' and the tail's own rows as segments, not a
+    copy: the step's append must leave them as they were (checked after every step against a copy
+    taken before the append), also where no tail exists, tokens leave the tail in blocks, sinks are
+    still being captured behind left padding, rows are bf16, and buffers grow and move."""
+    layer = make_layer(SEGMENT_CONFIGS[name], sliding, kv_heads=H, initial_capacity=4)
+    assert layer.leaves() == [layer]
+    g = torch.Generator().manual_seed(1)
+    pos = torch.arange(10).expand(2, 10) - torch.tensor([[0], [9]])  # row 1: 9 of 10 tokens padding
+    k, v = torch.randn(2, H, 10, D, generator=g), torch.randn(2, H, 10, D, generator=g)
+    layer.update(k.to(dtype), v.to(dtype), kwargs={"position_ids": pos.clamp(min=0)})
+    in_place = 0
+    for step in range(90):
+        k = torch.randn(2, H, 1, D, generator=g).to(dtype)
+        v = torch.randn(2, H, 1, D, generator=g).to(dtype)
+        view = layer.view(k, v)  # (one group of heads: the layer is its own leaf)
+        before = [x.clone() for x in (*view.fp_parts_k, *view.fp_parts_v)]
+        layer.append(k, v)
+        after = (*view.fp_parts_k, *view.fp_parts_v)
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True)), step
+        assert view.fp_k.shape[2] - view.n_sinks == view.shape[2] - sum(r.p1 - r.p0 for r in view.reads)
+        in_place += view.fp_parts_k[-1] is k and len(view.fp_parts_k) > 1
+        if step == 30 and sliding is None:
+            layer.crop(-4)
+        if step == 50:
+            layer.reorder_cache(torch.tensor([1, 0]))
+    assert in_place >= 80  # most steps handed the rows over in place (the rest: sinks still captured)
