@@ -74,11 +74,13 @@ def _fp_len(fp: torch.Tensor | tuple) -> int:
     return fp.shape[2] if isinstance(fp, torch.Tensor) else sum(x.shape[2] for x in fp)
 
 
-def _joined(fp: torch.Tensor | tuple | None) -> torch.Tensor | None:
-    """``fp``'s segments as one ``[B, H, n, D]`` tensor (a tensor as it is)."""
+def join_segments(fp: torch.Tensor | tuple | None) -> torch.Tensor | None:
+    """Full-precision tokens given as segments ``[B, H, n_i, D]`` as one ``[B, H, n, D]`` tensor: the
+    only non-empty segment as it is, else their concatenation (a tensor, or None, as it is)."""
     if fp is None or isinstance(fp, torch.Tensor):
         return fp
-    return fp[0] if len(fp) == 1 else torch.cat(fp, 2)
+    full = [x for x in fp if x.shape[2]]
+    return full[0] if len(full) == 1 else torch.cat(fp, 2)
 
 
 def _smoothed(q, fp_k, fp_v, smoothing) -> tuple:
@@ -89,7 +91,7 @@ def _smoothed(q, fp_k, fp_v, smoothing) -> tuple:
     if std is not None:
         b, hq, d = q.shape
         q = (q.float().reshape(b, std.shape[1], -1, d) * std).reshape(b, hq, d)  # std [B, Hkv, 1, D]
-    fp_k, fp_v = _joined(fp_k), _joined(fp_v)
+    fp_k, fp_v = join_segments(fp_k), join_segments(fp_v)
     if fp_k is not None and fp_k.shape[2]:
         fp_k = fp_k.float() - mean
         if std is not None:
@@ -164,7 +166,7 @@ def decode_attention(
         q, fp_k, fp_v = _smoothed(q, fp_k, fp_v, smoothing)
         smoothing = None
     if isinstance(fp_k, tuple) and not (b.takes_fp_segments and one_call):
-        fp_k, fp_v = _joined(fp_k), _joined(fp_v)
+        fp_k, fp_v = join_segments(fp_k), join_segments(fp_v)
     kw = dict(
         k_fmt=k_fmt,
         v_fmt=v_fmt,
@@ -345,6 +347,7 @@ __all__ = [
     "decode_attention",
     "dequantize",
     "encode",
+    "join_segments",
     "plan_append_step",
     "plan_decode_attention",
     "plan_quantize_append",

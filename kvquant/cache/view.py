@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvquant.cache.store import Operand
+from kvquant.kernels import ops
 from kvquant.transforms import KeyTransform
 
 
@@ -117,12 +118,12 @@ class KVView:
     @property
     def fp_k(self) -> torch.Tensor:
         """The full-precision keys in one tensor ``[B, H, s + t + q, D]``."""
-        return _joined(self.fp_parts_k)
+        return ops.join_segments(self.fp_parts_k)
 
     @property
     def fp_v(self) -> torch.Tensor:
         """The full-precision values in one tensor ``[B, H, s + t + q, D]``."""
-        return _joined(self.fp_parts_v)
+        return ops.join_segments(self.fp_parts_v)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -169,14 +170,6 @@ def _same_start(b: int, index: int, device: torch.device) -> torch.Tensor:
     """``[b]`` int64 filled with ``index``: a read's start when no row is padded (read-only: shared
     by every layer and step that asks for the same value)."""
     return torch.full((b,), index, dtype=torch.long, device=device)
-
-
-def _joined(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``parts`` ``[B, H, n_i, D]`` as one tensor on the token axis (the only non-empty one as it is)."""
-    full = [p for p in parts if p.shape[2]]
-    if len(full) == 1:
-        return full[0]
-    return torch.cat(list(parts), 2)
 
 
 def _one_copy(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
