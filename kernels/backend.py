@@ -271,6 +271,8 @@ class Backend:
         return f"<kvquant kernels backend {self.name!r}>"
 
 
+STEP_NEW_TOKEN = -2  # a decode-step append's ``leave_row`` when the new token itself leaves (no tail)
+
 # --------------------------------------------------------------------------------------------- deferred errors
 
 NONFINITE_INPUT = "input: key/value states contain NaN or Inf; refusing to quantize them"

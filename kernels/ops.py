@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 
 from kvquant.kernels.backend import (
+    STEP_NEW_TOKEN,
     Backend,
     DecodeCall,
     SegmentRead,
@@ -354,6 +355,7 @@ __all__ = [
     "plan_transcode",
     "quantize_append",
     "SegmentRead",
+    "STEP_NEW_TOKEN",
     "raise_deferred",
     "rotate",
     "rotate_pair",

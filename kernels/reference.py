@@ -24,7 +24,15 @@ import math
 import torch
 
 from kvquant.formats import QuantizedBlock, dequantize, format_spec, is_static_scale, quantize
-from kvquant.kernels.backend import Backend, DecodeCall, DequantizeCall, EncodeCall, QuantizeCall, RotateCall
+from kvquant.kernels.backend import (
+    STEP_NEW_TOKEN,
+    Backend,
+    DecodeCall,
+    DequantizeCall,
+    EncodeCall,
+    QuantizeCall,
+    RotateCall,
+)
 from kvquant.kernels.hadamard import rotate_ref
 
 # --------------------------------------------------------------------------------------------- shared checks
@@ -324,11 +332,15 @@ class AppendStepRef:
         if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
             return 5  # (as the C step: checked first, nothing written)
         tail_k, tail_v = self._tail
-        tail_k[:, :, tail_row] = k[:, :, 0]
-        tail_v[:, :, tail_row] = v[:, :, 0]
-        if leave_row >= 0:
+        if tail_row >= 0:
+            tail_k[:, :, tail_row] = k[:, :, 0]
+            tail_v[:, :, tail_row] = v[:, :, 0]
+        if leave_row >= 0 or leave_row == STEP_NEW_TOKEN:
             mean, std = self._stats
-            xk, xv = tail_k[:, :, leave_row : leave_row + 1], tail_v[:, :, leave_row : leave_row + 1]
+            if leave_row == STEP_NEW_TOKEN:
+                xk, xv = k.float(), v.float()  # [B, H, 1, D]
+            else:
+                xk, xv = tail_k[:, :, leave_row : leave_row + 1], tail_v[:, :, leave_row : leave_row + 1]
             if mean is not None:
                 xk = xk - mean
             if std is not None:

@@ -262,16 +262,18 @@ def plan_append_step(
     :func:`transcode` takes a source, and the main store's destinations.
 
     Returns ``run(k, v, tail_row, leave_row, first_index, move_from, move_to)``: ``k, v [B, H, 1,
-    D]`` copied into tail row ``tail_row``; tail row ``leave_row`` put into the stored space
+    D]`` copied into tail row ``tail_row``; tail row ``leave_row`` (or, with ``leave_row``
+    :data:`~kvquant.kernels.backend.STEP_NEW_TOKEN`, ``k, v`` themselves: a layer with no tail) put into the stored space
     (``(k - mean) / std``, then the rotation) and written at ``first_index``; the first tier's
-    index ``move_from`` transcoded (through fp32) into the main store at ``move_to``. A negative row
-    or index skips its stage. The buffers end as those ops leave them; values a write refuses get
+    index ``move_from`` transcoded (through fp32) into the main store at ``move_to``. Any other
+    negative row or index skips its stage. The buffers end as those ops leave them; values a write refuses get
     that op's own error; non-finite ``k`` / ``v`` raise ``ValueError`` (``NONFINITE_INPUT``) before
     anything is written.
 
     Example:
         >>> run = plan_append_step((tail_k, tail_v), (mean, std), True, (dst_k, dst_v), head_dim=64)
         >>> run(k, v, 20, 4, 100, -1, -1)                  # one decode step, no recent window
+        >>> run(k, v, -1, ops.STEP_NEW_TOKEN, 101, -1, -1) # a layer with no tail: k, v stored at once
     """
     device = tail[0].device.type
 

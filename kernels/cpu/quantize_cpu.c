@@ -846,9 +846,10 @@ int kvq_transcode(const kvq_operand *src, int64_t B, int64_t H, int64_t i0, int6
 }
 
 /* One decode step's append of a cache layer (one token per row), in one call:
- *   1. the new token k / v [B, H, 1, D] (element strides ksb / ksh, vsb / vsh; D contiguous) is
- *      copied into the full-precision tail at row `tail_row` of tail_k / tail_v;
- *   2. leave_row >= 0: the tail's row `leave_row` (the token leaving it) is put into the stored
+ *   1. tail_row >= 0: the new token k / v [B, H, 1, D] (element strides ksb / ksh, vsb / vsh; D
+ *      contiguous) is copied into the full-precision tail at row `tail_row` of tail_k / tail_v;
+ *   2. leave_row >= 0: the tail's row `leave_row` (the token leaving it), or with leave_row
+ *      KVQ_STEP_NEW_TOKEN (-2) the new token itself (a layer with no tail), is put into the stored
  *      space as kvq_rotate_pair does (keys minus mean, divided by std, each where given; then, with
  *      rot_scale > 0, both rotated by fwht_row) and written into the first tier at `first_index`
  *      (first_k / first_v, kvq_write);
@@ -858,6 +859,8 @@ int kvq_transcode(const kvq_operand *src, int64_t B, int64_t H, int64_t i0, int6
  * so the same bits. Returns 0; -1 out of memory; 5 when k or v holds a NaN or an Inf (checked
  * first: nothing written); else the stage whose write refused its values (1 first_k, 2 first_v, 3
  * the move's keys, 4 its values), the stages before it done. */
+#define KVQ_STEP_NEW_TOKEN (-2)
+
 typedef struct {
     float *tail_k, *tail_v;           /* [B, H, cap, D] fp32 */
     int64_t tsb, tsh, tst;            /* element strides of both tails */
@@ -882,22 +885,26 @@ int kvq_append_step(const kvq_step *s, const float *k, int64_t ksb, int64_t ksh,
             for (int64_t j = 0; j < D; j++) bad |= !isfinite(xk[j]) | !isfinite(xv[j]);
         }
     if (bad) return 5;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t t = b * s->tsb + h * s->tsh + tail_row * s->tst;
-            memcpy(s->tail_k + t, k + b * ksb + h * ksh, sizeof(float) * (size_t)D);
-            memcpy(s->tail_v + t, v + b * vsb + h * vsh, sizeof(float) * (size_t)D);
-        }
-    if (leave_row >= 0) {
+    if (tail_row >= 0)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t t = b * s->tsb + h * s->tsh + tail_row * s->tst;
+                memcpy(s->tail_k + t, k + b * ksb + h * ksh, sizeof(float) * (size_t)D);
+                memcpy(s->tail_v + t, v + b * vsb + h * vsh, sizeof(float) * (size_t)D);
+            }
+    if (leave_row >= 0 || leave_row == KVQ_STEP_NEW_TOKEN) {
         float *rk = s->scratch, *rv = s->scratch + B * H * D;
+        const int direct = leave_row == KVQ_STEP_NEW_TOKEN;
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < H; h++) {
                 const int64_t t = b * s->tsb + h * s->tsh + leave_row * s->tst, r = (b * H + h) * D;
-                const float *xk = s->tail_k + t, *m = s->mean ? s->mean + r : NULL, *sd = s->std ? s->std + r : NULL;
+                const float *xk = direct ? k + b * ksb + h * ksh : s->tail_k + t;
+                const float *xv = direct ? v + b * vsb + h * vsh : s->tail_v + t;
+                const float *m = s->mean ? s->mean + r : NULL, *sd = s->std ? s->std + r : NULL;
                 for (int64_t j = 0; j < D; j++) rk[r + j] = m ? xk[j] - m[j] : xk[j];
                 if (sd)
                     for (int64_t j = 0; j < D; j++) rk[r + j] = rk[r + j] / sd[j];
-                memcpy(rv + r, s->tail_v + t, sizeof(float) * (size_t)D);
+                memcpy(rv + r, xv, sizeof(float) * (size_t)D);
                 if (s->rot_scale > 0.0f) {
                     fwht_row(rk + r, D, s->rot_scale);
                     fwht_row(rv + r, D, s->rot_scale);

@@ -40,7 +40,8 @@ class NativeAppendStep:
         head_dim: ``D``.
 
     ``run(k, v, tail_row, leave_row, first_index, move_from, move_to)``: ``k, v [B, H, 1, D]``
-    fp32; a row or index < 0 skips its stage. Returns 0; 5 when ``k`` or ``v`` holds a NaN or an
+    fp32; ``leave_row`` ``STEP_NEW_TOKEN`` (-2): ``k, v`` themselves leave (a layer with no tail);
+    any other row or index < 0 skips its stage. Returns 0; 5 when ``k`` or ``v`` holds a NaN or an
     Inf (checked first, nothing written); or the stage whose write refused its values (1, 2: the
     first tier's keys, values; 3, 4: the move's), the stages before it done. ``scratch``
     ``[2, B, H, D]``: the leaving token in the stored space, after a call that wrote it.

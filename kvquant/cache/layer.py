@@ -270,16 +270,18 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
     def _append_step(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """A decode step's append (``k, v [B, H, 1, D]``) in one planned op
         (``ops.plan_append_step``: one C call on CPU) where the step is a steady one: the tail full,
-        its oldest token leaving and no buffer moving, growing or being fitted this step, no sink
-        left to capture. Leaves the state :meth:`append` would; False (nothing done): it runs."""
+        its oldest token leaving (or, with no tail, the new token itself), and no buffer moving,
+        growing or being fitted this step, no sink left to capture. Leaves the state :meth:`append` would; False (nothing done): it runs."""
         tail, tiers = self.tail, self.tiers
         held = tail.end - tail.begin
+        no_tail = tail.residual == 0  # the token itself enters the first tier
         if (
             not tiers
             or tail.block != 1
             or held != tail.residual
-            or held < 1
+            or (held < 1 and not no_tail)
             or tail.off + held + 1 > tail.k.shape[2]
+            or (no_tail and (k.dtype != torch.float32 or v.dtype != torch.float32))
             or k.requires_grad
             or v.requires_grad
             or self.transform.needs_fit
@@ -297,11 +299,14 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
         run = self._step_plan(first, main)
         if run is None:
             return False
-        run(k, v, tail.off + held, tail.off, first.end - first.origin, move_from, move_to)
+        if no_tail:
+            run(k, v, -1, ops.STEP_NEW_TOKEN, first.end - first.origin, move_from, move_to)
+        else:
+            run(k, v, tail.off + held, tail.off, first.end - first.origin, move_from, move_to)
+            tail.off += 1
         self.plans.pop("stale", None)
         tail.end += 1
         tail.begin += 1
-        tail.off += 1
         if move_from >= 0:
             first.low += 1
             main.end += 1

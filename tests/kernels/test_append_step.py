@@ -84,16 +84,21 @@ CASES = [  # (first tier K / V, the main store K / V after a recent window or No
 
 
 @needs_c
+@pytest.mark.parametrize("leaves", ["tail-row", "new-token"])
 @pytest.mark.parametrize("stats", [None, "mean", "mean+std"])
 @pytest.mark.parametrize("rotation", [True, False], ids=["rotated", "plain"])
 @pytest.mark.parametrize(
     "fmts", CASES, ids=lambda c: "-".join(c[0]) + ("" if c[1] is None else "->" + "-".join(c[1]))
 )
-def test_c_step_equals_the_torch_twin_bit_for_bit(fmts, rotation, stats):
+def test_c_step_equals_the_torch_twin_bit_for_bit(fmts, rotation, stats, leaves):
+    """``new-token``: a layer with no tail (``leave_row`` ``STEP_NEW_TOKEN``): the tail untouched,
+    the first tier gets what a tail row holding the same token would have given it."""
     for d, scale_dtype in ((64, torch.float8_e4m3fn), (48, torch.float16)):
         tail, st, first, move, k, v = _case(d, *fmts, stats, rotation, scale_dtype)
         v = v.transpose(1, 2).contiguous().transpose(1, 2)  # (values as a model hands them: strided)
         args = dict(tail_row=9, leave_row=2, first_index=5, move_from=-1 if move is None else 4, move_to=7)
+        if leaves == "new-token":
+            args.update(tail_row=-1, leave_row=ops.STEP_NEW_TOKEN)
         runs = []
         for cls in ("cpu", "reference"):
             t, f, m = _copies(tail, first, move)
@@ -109,7 +114,16 @@ def test_c_step_equals_the_torch_twin_bit_for_bit(fmts, rotation, stats):
         (t1, f1, m1), (t2, f2, m2) = runs
         for x, y in zip(t1, t2, strict=True):
             assert torch.equal(x, y)
-        assert torch.equal(t1[0][:, :, 9], k[:, :, 0]) and torch.equal(t1[1][:, :, 9], v[:, :, 0])
+        if leaves == "tail-row":
+            assert torch.equal(t1[0][:, :, 9], k[:, :, 0]) and torch.equal(t1[1][:, :, 9], v[:, :, 0])
+        else:
+            assert all(torch.equal(x, y) for x, y in zip(t1, tail, strict=True))  # the tail untouched
+            t3, f3, m3 = _copies(tail, first, move)  # the same token entering tail row 2, leaving it
+            ops.plan_append_step(t3, st, rotation, f3, m3, head_dim=d)(k, v, 2, 2, 5, -1, -1)
+            for a, b in zip(f1, f3, strict=True):
+                assert all(
+                    x is None or torch.equal(_bytes(x), _bytes(y)) for x, y in zip(a[:3], b[:3], strict=True)
+                )
         written = [(a, b, orig, 5) for a, b, orig in zip(f1, f2, first, strict=True)]
         if move is not None:
             written += [(a, b, orig, 7) for a, b, orig in zip(m1[1], m2[1], move[1], strict=True)]

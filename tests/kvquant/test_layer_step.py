@@ -33,6 +33,17 @@ CONFIGS = {
         recent_value_format="int8",
     ),  # fmt: skip
     "fp8-plain": KVQuantConfig(key_format="fp8_e4m3", value_format="fp8_e4m3", residual_length=2),
+    "int8": KVQuantConfig.resolve("int8"),  # (no tail: the new token itself is stored)
+    "no-tail-recent": KVQuantConfig(
+        key_format="nuq3",
+        value_format="nuq2",
+        rotation="hadamard",
+        smoothing="mean",
+        residual_length=0,
+        recent_length=5,
+        recent_key_format="int8",
+        recent_value_format="int8",
+    ),  # fmt: skip
     "head-groups": KVQuantConfig(
         key_format="nuq2",
         value_format="nuq2",
@@ -47,8 +58,7 @@ CONFIGS = {
 
 
 SEGMENT_CONFIGS = {
-    **{name: CONFIGS[name] for name in ("int4", "tcq2-recent", "small-recent")},
-    "int8": KVQuantConfig.resolve("int8"),  # (no tail)
+    **{name: CONFIGS[name] for name in ("int4", "tcq2-recent", "small-recent", "int8")},
     "kivi2": KVQuantConfig.resolve("kivi2"),  # (keys per channel: the tail leaves in blocks)
 }
 
