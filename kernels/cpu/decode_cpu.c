@@ -262,6 +262,59 @@ static void token_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
     for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 1, sv + i, zv + i);
 }
 
+/* Token-axis scale groups per row when the AVX2 head folds an operand's scales out of its dots
+ * (fast: every group a whole number of 8-channel chunks; at most FOLD_GROUPS groups); 0: the block
+ * loader applies them. Scores are sum_j s_tj (q_j . c_tj) + z_tj sum(q_j) over the groups j; values
+ * accumulate (p_t s_tj) c_t on group j's channels, and sum_t p_t z_tj per query head and group on
+ * the side. One group: one_scale_per_token's fold. */
+#define FOLD_GROUPS 8
+static int fold_groups(const kvq_operand *o, int fast) {
+    return fast && o->scale && !o->channel_axis && o->n_groups <= FOLD_GROUPS ? o->n_groups : 0;
+}
+
+/* fold_init per group: qsum[g * FOLD_GROUPS + j] = sum of q_g over group j's channels (one group:
+ * fold_init's sum, in the same order); zacc zeroed. */
+static void fold_init_groups(const float *qh, int64_t G, int64_t D, int ng, float *qsum, float *zacc) {
+    const int64_t gs = D / (ng > 0 ? ng : 1);
+    for (int64_t g = 0; g < G; g++)
+        for (int j = 0; j < FOLD_GROUPS; j++) {
+            float t = 0.0f;
+            for (int64_t d = j * gs; j < ng && d < (j + 1) * gs; d++) t += qh[g * D + d];
+            qsum[g * FOLD_GROUPS + j] = t;
+            zacc[g * FOLD_GROUPS + j] = 0.0f;
+        }
+}
+
+/* fold_zero_points per group: each query head's sum_t p_t z_tj added to group j's channels. */
+static void fold_zero_points_groups(const kvq_operand *v, int ng, int64_t G, int64_t D, const float *zacc,
+                                    const float *m, float *acc) {
+    if (!ng || !v->zero) return;
+    const int64_t gs = D / ng;
+    for (int64_t g = 0; g < G; g++)
+        if (!isnan(m[g]))
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g * FOLD_GROUPS + d / gs];
+}
+
+/* Scales sv[j * 16 + i] and zero points zv[j * 16 + i] of group j of tokens t0 + i, i < 16 (0 from
+ * nt on, and zero points 0 without them), ng groups per token. Rows of ng consecutive entries (the
+ * usual [T, ng] layout) convert as one run. */
+static void token_group_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0, int64_t nt, int ng,
+                               float *sv, float *zv) {
+    float s[16 * FOLD_GROUPS], z[16 * FOLD_GROUPS];
+    for (int i = 0; i < 16 * ng; i++) sv[i] = zv[i] = 0.0f;
+    if (o->scale_st == ng && (!o->zero || o->zero_st == ng)) {
+        load_f32(o->scale, o->scale_dtype, b * o->scale_sb + h * o->scale_sh + t0 * ng, (int)(nt * ng), s);
+        if (o->zero) load_f32(o->zero, o->scale_dtype, b * o->zero_sb + h * o->zero_sh + t0 * ng, (int)(nt * ng), z);
+    } else {
+        for (int64_t i = 0; i < nt; i++) load_scales(o, b, h, t0 + i, 0, s + i * ng, z + i * ng);
+    }
+    for (int64_t i = 0; i < nt; i++)
+        for (int j = 0; j < ng; j++) {
+            sv[j * 16 + i] = s[i * ng + j];
+            if (o->zero) zv[j * 16 + i] = z[i * ng + j];
+        }
+}
+
 /* softcap tanh(s / softcap) softcap on n scores in place. */
 static void softcap_scores(float *s, int n, float softcap) {
     for (int i = 0; i < n; i++) s[i] = softcap * tanhf(s[i] / softcap);
@@ -1055,10 +1108,14 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
                              float *l, float *acc, const uint8_t *valid) {
     const int64_t nc = D / 8;
     const int k_fast = avx_loadable(k, D, 8), v_fast = avx_loadable(v, D, 8);
-    const int k_fold = one_scale_per_token(k, k_fast), v_fold = one_scale_per_token(v, v_fast);
+    const int k_fold = fold_groups(k, k_fast), v_fold = fold_groups(v, v_fast); /* scale groups folded, or 0 */
+    const int k_cpg = k_fold ? (int)(nc / k_fold) : 0; /* 8-channel chunks per key scale group */
+    int v_grp[64];                                       /* value chunk c's scale group */
+    for (int c = 0; c < nc; c++) v_grp[c] = v_fold ? (int)(c / (nc / v_fold)) : 0;
     float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
-    float qsum[64], zacc[64];
-    fold_init(qh, G, D, qsum, zacc);
+    float pgv[16 * FOLD_GROUPS]; /* one query head's probabilities times each value group's scales */
+    float qsum[64 * FOLD_GROUPS], zacc[64 * FOLD_GROUPS]; /* [G][FOLD_GROUPS] */
+    fold_init_groups(qh, G, D, k_fold, qsum, zacc);
     block8_plan k_plan, v_plan;
     if (k_fast) plan_block8(k, D, &k_plan);
     if (v_fast) plan_block8(v, D, &v_plan);
@@ -1075,12 +1132,15 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             memset(kb + nt * D, 0, sizeof(float) * (size_t)((16 - nt) * D));
             memset(vb + nt * D, 0, sizeof(float) * (size_t)((16 - nt) * D));
         }
-        float sc[4][16]; /* key scale, key zero, value scale, value zero of each token (0 beyond nt) */
+        /* key scales, key zeros, value scales, value zeros: [group][16 tokens] (0 beyond nt) */
+        float sc[4][16 * FOLD_GROUPS];
         for (int hh = 0; hh < 2; hh++) {
             const int64_t h0 = 8 * hh, n8 = nt - h0 < 0 ? 0 : (nt - h0 < 8 ? nt - h0 : 8);
-            if (k_fold) token_scales(k, b, h, t0 + h0, n8, 8, sc[0] + h0, sc[1] + h0);
-            if (v_fold) token_scales(v, b, h, t0 + h0, n8, 8, sc[2] + h0, sc[3] + h0);
+            if (k_fold == 1) token_scales(k, b, h, t0 + h0, n8, 8, sc[0] + h0, sc[1] + h0);
+            if (v_fold == 1) token_scales(v, b, h, t0 + h0, n8, 8, sc[2] + h0, sc[3] + h0);
         }
+        if (k_fold > 1) token_group_scales(k, b, h, t0, nt, k_fold, sc[0], sc[1]);
+        if (v_fold > 1) token_group_scales(v, b, h, t0, nt, v_fold, sc[2], sc[3]);
         int32_t live[16]; /* lanes that attend: in the block and not masked out */
         for (int64_t i = 0; i < 16; i++) live[i] = i < nt && (!valid || valid[t0 + i]) ? -1 : 0;
         const __m256 attend[2] = {_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)live)),
@@ -1092,15 +1152,25 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             for (int hh = 0; hh < halves; hh++) {
                 const float *kh = kb + 8 * hh * D;
                 __m256 part[8]; /* one FMA chain per row, side by side (a chain per row in turn waits on FMA latency) */
-                for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
-                for (int64_t c = 0; c < nc; c++) {
-                    const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
-                    for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kh + i * D + 8 * c), part[i]);
+                __m256 x = _mm256_setzero_ps();
+                for (int j = 0; j < (k_fold > 1 ? k_fold : 1); j++) { /* each key scale group (one: all chunks) */
+                    const int64_t c0 = k_fold > 1 ? j * k_cpg : 0, c1 = k_fold > 1 ? c0 + k_cpg : nc;
+                    for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+                    for (int64_t c = c0; c < c1; c++) {
+                        const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                        for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kh + i * D + 8 * c), part[i]);
+                    }
+                    const __m256 xj = hsum8(part);
+                    if (k_fold > 1)
+                        x = _mm256_fmadd_ps(xj, _mm256_loadu_ps(sc[0] + 16 * j + 8 * hh), x);
+                    else
+                        x = xj;
                 }
-                __m256 x = hsum8(part);
-                if (k_fold)
+                if (k_fold == 1)
                     x = _mm256_fmadd_ps(x, _mm256_loadu_ps(sc[0] + 8 * hh),
-                                        _mm256_mul_ps(_mm256_loadu_ps(sc[1] + 8 * hh), _mm256_set1_ps(qsum[g])));
+                                        _mm256_mul_ps(_mm256_loadu_ps(sc[1] + 8 * hh), _mm256_set1_ps(qsum[g * FOLD_GROUPS])));
+                for (int j = 0; k_fold > 1 && k->zero && j < k_fold; j++) /* the zero points: z_tj sum(q_j) */
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(sc[1] + 16 * j + 8 * hh), _mm256_set1_ps(qsum[g * FOLD_GROUPS + j]), x);
                 x = _mm256_mul_ps(x, _mm256_set1_ps(scaling));
                 if (softcap > 0.0f) x = softcap8(x, softcap);
                 s[hh] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, attend[hh]); /* masked: weight exactly 0 */
@@ -1120,12 +1190,15 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             l[g] = l[g] * corr + reduce_add8(_mm256_add_ps(p0, p1));
             m[g] = mx;
             float *pg = p_all + g * 16;
-            if (v_fold) {
-                const __m256 vs0 = _mm256_loadu_ps(sc[2]), vs1 = _mm256_loadu_ps(sc[2] + 8);
-                const __m256 vz0 = _mm256_loadu_ps(sc[3]), vz1 = _mm256_loadu_ps(sc[3] + 8);
-                zacc[g] = zacc[g] * corr + reduce_add8(_mm256_add_ps(_mm256_mul_ps(p0, vz0), _mm256_mul_ps(p1, vz1)));
-                _mm256_storeu_ps(pg, _mm256_mul_ps(p0, vs0));
-                _mm256_storeu_ps(pg + 8, _mm256_mul_ps(p1, vs1));
+            if (v_fold) { /* each value group: p_t s_tj, and sum_t p_t z_tj on the side */
+                for (int j = 0; j < v_fold; j++) {
+                    const __m256 vs0 = _mm256_loadu_ps(sc[2] + 16 * j), vs1 = _mm256_loadu_ps(sc[2] + 16 * j + 8);
+                    const __m256 vz0 = _mm256_loadu_ps(sc[3] + 16 * j), vz1 = _mm256_loadu_ps(sc[3] + 16 * j + 8);
+                    float *zj = zacc + g * FOLD_GROUPS + j, *pj = v_fold > 1 ? pgv + 16 * j : pg;
+                    *zj = *zj * corr + reduce_add8(_mm256_add_ps(_mm256_mul_ps(p0, vz0), _mm256_mul_ps(p1, vz1)));
+                    _mm256_storeu_ps(pj, _mm256_mul_ps(p0, vs0));
+                    _mm256_storeu_ps(pj + 8, _mm256_mul_ps(p1, vs1));
+                }
             } else {
                 _mm256_storeu_ps(pg, p0);
                 _mm256_storeu_ps(pg + 8, p1);
@@ -1134,16 +1207,17 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             const __m256 vc = _mm256_set1_ps(corr);
             const int rows = 8 * halves;
             for (int64_t c = 0; c < nc; c++) { /* the block's rows (p 0 beyond nt) in two FMA chains */
+                const float *pc = v_fold > 1 ? pgv + 16 * v_grp[c] : pg;
                 __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
                 for (int i = 0; i < rows; i += 2) {
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(pg[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
-                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[i + 1]), _mm256_loadu_ps(vb + (i + 1) * D + 8 * c), a1);
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(pc[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
+                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pc[i + 1]), _mm256_loadu_ps(vb + (i + 1) * D + 8 * c), a1);
                 }
                 _mm256_storeu_ps(ag + 8 * c, _mm256_add_ps(a, a1));
             }
         }
     }
-    fold_zero_points(v, v_fold, G, D, zacc, m, acc);
+    fold_zero_points_groups(v, v_fold, G, D, zacc, m, acc);
 }
 #endif
 
