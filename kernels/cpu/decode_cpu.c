@@ -269,7 +269,9 @@ static void token_scales(const kvq_operand *o, int64_t b, int64_t h, int64_t t0,
  * the side. One group: one_scale_per_token's fold. */
 #define FOLD_GROUPS 8
 static int fold_groups(const kvq_operand *o, int fast) {
-    return fast && o->scale && !o->channel_axis && o->n_groups <= FOLD_GROUPS ? o->n_groups : 0;
+    if (!fast || !o->scale || o->channel_axis || o->n_groups > FOLD_GROUPS) return 0;
+    /* (trellis levels take their scale where they are formed, at no cost the fold would save) */
+    return o->n_groups == 1 || !o->state_codes ? o->n_groups : 0;
 }
 
 /* fold_init per group: qsum[g * FOLD_GROUPS + j] = sum of q_g over group j's channels (one group:
@@ -1102,20 +1104,26 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
  * (running max, rescale, sum) runs once per 16 tokens, and each query head's accumulator chunk stays
  * in a register across the block's 16 value rows. valid (NULL: all): token t attends only where
  * valid[t] is 1 (the full-precision tokens). Needs D % 8 == 0. */
-static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
-                             const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin, int64_t T,
-                             float scaling, float softcap, float *kb, float *vb, uint8_t *idx, float *m,
-                             float *l, float *acc, const uint8_t *valid) {
+/* (grouped: a compile-time 0 or 1 in each of decode_head_avx2's two calls; 0 compiles the paths of
+ * at most one scale per token alone) */
+static inline __attribute__((always_inline)) void
+decode_head_avx2_body(const float *qh, int64_t G, int64_t D, const kvq_operand *k, const kvq_operand *v, int64_t b,
+                      int64_t h, int64_t t_begin, int64_t T, float scaling, float softcap, float *kb, float *vb,
+                      uint8_t *idx, float *m, float *l, float *acc, const uint8_t *valid, const int grouped) {
     const int64_t nc = D / 8;
     const int k_fast = avx_loadable(k, D, 8), v_fast = avx_loadable(v, D, 8);
     const int k_fold = fold_groups(k, k_fast), v_fold = fold_groups(v, v_fast); /* scale groups folded, or 0 */
     const int k_cpg = k_fold ? (int)(nc / k_fold) : 0; /* 8-channel chunks per key scale group */
-    int v_grp[64];                                       /* value chunk c's scale group */
-    for (int c = 0; c < nc; c++) v_grp[c] = v_fold ? (int)(c / (nc / v_fold)) : 0;
+    const int NG = grouped ? FOLD_GROUPS : 1; /* qsum / zacc slots per query head, scale rows per block */
+    int v_grp[grouped ? 64 : 1];                 /* value chunk c's scale group */
+    for (int c = 0; grouped && c < nc; c++) v_grp[c] = v_fold ? (int)(c / (nc / v_fold)) : 0;
     float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
-    float pgv[16 * FOLD_GROUPS]; /* one query head's probabilities times each value group's scales */
-    float qsum[64 * FOLD_GROUPS], zacc[64 * FOLD_GROUPS]; /* [G][FOLD_GROUPS] */
-    fold_init_groups(qh, G, D, k_fold, qsum, zacc);
+    float pgv[16 * NG]; /* one query head's probabilities times each value group's scales */
+    float qsum[64 * NG], zacc[64 * NG]; /* [G][NG] */
+    if (grouped)
+        fold_init_groups(qh, G, D, k_fold, qsum, zacc);
+    else
+        fold_init(qh, G, D, qsum, zacc);
     block8_plan k_plan, v_plan;
     if (k_fast) plan_block8(k, D, &k_plan);
     if (v_fast) plan_block8(v, D, &v_plan);
@@ -1133,14 +1141,14 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             memset(vb + nt * D, 0, sizeof(float) * (size_t)((16 - nt) * D));
         }
         /* key scales, key zeros, value scales, value zeros: [group][16 tokens] (0 beyond nt) */
-        float sc[4][16 * FOLD_GROUPS];
+        float sc[4][16 * NG];
         for (int hh = 0; hh < 2; hh++) {
             const int64_t h0 = 8 * hh, n8 = nt - h0 < 0 ? 0 : (nt - h0 < 8 ? nt - h0 : 8);
             if (k_fold == 1) token_scales(k, b, h, t0 + h0, n8, 8, sc[0] + h0, sc[1] + h0);
             if (v_fold == 1) token_scales(v, b, h, t0 + h0, n8, 8, sc[2] + h0, sc[3] + h0);
         }
-        if (k_fold > 1) token_group_scales(k, b, h, t0, nt, k_fold, sc[0], sc[1]);
-        if (v_fold > 1) token_group_scales(v, b, h, t0, nt, v_fold, sc[2], sc[3]);
+        if (grouped && k_fold > 1) token_group_scales(k, b, h, t0, nt, k_fold, sc[0], sc[1]);
+        if (grouped && v_fold > 1) token_group_scales(v, b, h, t0, nt, v_fold, sc[2], sc[3]);
         int32_t live[16]; /* lanes that attend: in the block and not masked out */
         for (int64_t i = 0; i < 16; i++) live[i] = i < nt && (!valid || valid[t0 + i]) ? -1 : 0;
         const __m256 attend[2] = {_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)live)),
@@ -1152,25 +1160,31 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             for (int hh = 0; hh < halves; hh++) {
                 const float *kh = kb + 8 * hh * D;
                 __m256 part[8]; /* one FMA chain per row, side by side (a chain per row in turn waits on FMA latency) */
-                __m256 x = _mm256_setzero_ps();
-                for (int j = 0; j < (k_fold > 1 ? k_fold : 1); j++) { /* each key scale group (one: all chunks) */
-                    const int64_t c0 = k_fold > 1 ? j * k_cpg : 0, c1 = k_fold > 1 ? c0 + k_cpg : nc;
+                __m256 x;
+                if (grouped && k_fold > 1) { /* each scale group's dots, then times its scales; the zero points' sums */
+                    x = _mm256_setzero_ps();
+                    for (int j = 0; j < k_fold; j++) {
+                        for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+                        for (int64_t c = j * k_cpg; c < (j + 1) * k_cpg; c++) {
+                            const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+                            for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kh + i * D + 8 * c), part[i]);
+                        }
+                        x = _mm256_fmadd_ps(hsum8(part), _mm256_loadu_ps(sc[0] + 16 * j + 8 * hh), x);
+                    }
+                    for (int j = 0; k->zero && j < k_fold; j++)
+                        x = _mm256_fmadd_ps(_mm256_loadu_ps(sc[1] + 16 * j + 8 * hh),
+                                            _mm256_set1_ps(qsum[g * NG + j]), x);
+                } else {
                     for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
-                    for (int64_t c = c0; c < c1; c++) {
+                    for (int64_t c = 0; c < nc; c++) {
                         const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
                         for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kh + i * D + 8 * c), part[i]);
                     }
-                    const __m256 xj = hsum8(part);
-                    if (k_fold > 1)
-                        x = _mm256_fmadd_ps(xj, _mm256_loadu_ps(sc[0] + 16 * j + 8 * hh), x);
-                    else
-                        x = xj;
+                    x = hsum8(part);
+                    if (k_fold)
+                        x = _mm256_fmadd_ps(x, _mm256_loadu_ps(sc[0] + 8 * hh),
+                                            _mm256_mul_ps(_mm256_loadu_ps(sc[1] + 8 * hh), _mm256_set1_ps(qsum[g * NG])));
                 }
-                if (k_fold == 1)
-                    x = _mm256_fmadd_ps(x, _mm256_loadu_ps(sc[0] + 8 * hh),
-                                        _mm256_mul_ps(_mm256_loadu_ps(sc[1] + 8 * hh), _mm256_set1_ps(qsum[g * FOLD_GROUPS])));
-                for (int j = 0; k_fold > 1 && k->zero && j < k_fold; j++) /* the zero points: z_tj sum(q_j) */
-                    x = _mm256_fmadd_ps(_mm256_loadu_ps(sc[1] + 16 * j + 8 * hh), _mm256_set1_ps(qsum[g * FOLD_GROUPS + j]), x);
                 x = _mm256_mul_ps(x, _mm256_set1_ps(scaling));
                 if (softcap > 0.0f) x = softcap8(x, softcap);
                 s[hh] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, attend[hh]); /* masked: weight exactly 0 */
@@ -1190,15 +1204,22 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             l[g] = l[g] * corr + reduce_add8(_mm256_add_ps(p0, p1));
             m[g] = mx;
             float *pg = p_all + g * 16;
-            if (v_fold) { /* each value group: p_t s_tj, and sum_t p_t z_tj on the side */
+            if (grouped && v_fold > 1) { /* each value group: p_t s_tj, and sum_t p_t z_tj on the side */
                 for (int j = 0; j < v_fold; j++) {
                     const __m256 vs0 = _mm256_loadu_ps(sc[2] + 16 * j), vs1 = _mm256_loadu_ps(sc[2] + 16 * j + 8);
                     const __m256 vz0 = _mm256_loadu_ps(sc[3] + 16 * j), vz1 = _mm256_loadu_ps(sc[3] + 16 * j + 8);
-                    float *zj = zacc + g * FOLD_GROUPS + j, *pj = v_fold > 1 ? pgv + 16 * j : pg;
+                    float *zj = zacc + g * NG + j;
                     *zj = *zj * corr + reduce_add8(_mm256_add_ps(_mm256_mul_ps(p0, vz0), _mm256_mul_ps(p1, vz1)));
-                    _mm256_storeu_ps(pj, _mm256_mul_ps(p0, vs0));
-                    _mm256_storeu_ps(pj + 8, _mm256_mul_ps(p1, vs1));
+                    _mm256_storeu_ps(pgv + 16 * j, _mm256_mul_ps(p0, vs0));
+                    _mm256_storeu_ps(pgv + 16 * j + 8, _mm256_mul_ps(p1, vs1));
                 }
+            } else if (v_fold) {
+                const __m256 vs0 = _mm256_loadu_ps(sc[2]), vs1 = _mm256_loadu_ps(sc[2] + 8);
+                const __m256 vz0 = _mm256_loadu_ps(sc[3]), vz1 = _mm256_loadu_ps(sc[3] + 8);
+                float *z0 = zacc + g * NG;
+                *z0 = *z0 * corr + reduce_add8(_mm256_add_ps(_mm256_mul_ps(p0, vz0), _mm256_mul_ps(p1, vz1)));
+                _mm256_storeu_ps(pg, _mm256_mul_ps(p0, vs0));
+                _mm256_storeu_ps(pg + 8, _mm256_mul_ps(p1, vs1));
             } else {
                 _mm256_storeu_ps(pg, p0);
                 _mm256_storeu_ps(pg + 8, p1);
@@ -1206,8 +1227,8 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
             float *ag = acc + g * D;
             const __m256 vc = _mm256_set1_ps(corr);
             const int rows = 8 * halves;
-            for (int64_t c = 0; c < nc; c++) { /* the block's rows (p 0 beyond nt) in two FMA chains */
-                const float *pc = v_fold > 1 ? pgv + 16 * v_grp[c] : pg;
+            for (int64_t c = 0; grouped && c < nc && v_fold > 1; c++) { /* (each chunk with its group's p_t s_tj) */
+                const float *pc = pgv + 16 * v_grp[c];
                 __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
                 for (int i = 0; i < rows; i += 2) {
                     a = _mm256_fmadd_ps(_mm256_set1_ps(pc[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
@@ -1215,9 +1236,37 @@ static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_op
                 }
                 _mm256_storeu_ps(ag + 8 * c, _mm256_add_ps(a, a1));
             }
+            for (int64_t c = 0; c < nc && !(grouped && v_fold > 1); c++) { /* the block's rows (p 0 beyond nt) in two FMA chains */
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
+                for (int i = 0; i < rows; i += 2) {
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(pg[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
+                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[i + 1]), _mm256_loadu_ps(vb + (i + 1) * D + 8 * c), a1);
+                }
+                _mm256_storeu_ps(ag + 8 * c, _mm256_add_ps(a, a1));
+            }
         }
     }
-    fold_zero_points_groups(v, v_fold, G, D, zacc, m, acc);
+    if (grouped)
+        fold_zero_points_groups(v, v_fold, G, D, zacc, m, acc);
+    else
+        fold_zero_points(v, v_fold, G, D, zacc, m, acc);
+}
+
+/* The AVX2 head for operands with at most one scale per token (compiled without the group paths:
+ * they cost these a few percent when in the same code) ... */
+static void decode_head_avx2(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
+                             const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin, int64_t T,
+                             float scaling, float softcap, float *kb, float *vb, uint8_t *idx, float *m,
+                             float *l, float *acc, const uint8_t *valid) {
+    decode_head_avx2_body(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kb, vb, idx, m, l, acc, valid, 0);
+}
+
+/* ... and for those with token-axis scale groups it folds (fold_groups > 1). */
+static void decode_head_avx2_groups(const float *qh, int64_t G, int64_t D, const kvq_operand *k,
+                                    const kvq_operand *v, int64_t b, int64_t h, int64_t t_begin, int64_t T,
+                                    float scaling, float softcap, float *kb, float *vb, uint8_t *idx, float *m,
+                                    float *l, float *acc, const uint8_t *valid) {
+    decode_head_avx2_body(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kb, vb, idx, m, l, acc, valid, 1);
 }
 #endif
 
@@ -1301,7 +1350,10 @@ static void decode_head(const float *qh, int64_t G, int64_t D, const kvq_operand
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0 && G <= 64) {
-        decode_head_avx2(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, m, l, acc, valid);
+        if (fold_groups(k, avx_loadable(k, D, 8)) > 1 || fold_groups(v, avx_loadable(v, D, 8)) > 1)
+            decode_head_avx2_groups(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, m, l, acc, valid);
+        else
+            decode_head_avx2(qh, G, D, k, v, b, h, t_begin, T, scaling, softcap, kf, vf, idx, m, l, acc, valid);
         return;
     }
 #endif

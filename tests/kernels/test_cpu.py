@@ -193,22 +193,26 @@ def test_scales_are_read_in_their_stored_dtype(scale_dtype, axis):
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("strided", [False, True])
-def test_one_scale_per_token_is_read_in_its_stored_dtype(scale_dtype, strided):
-    """The fold of one scale per token (the block's scales converted as one run): int4 keys with zero
-    points, nuq4 values without, 61 tokens from 3 (whole and partial 16- and 8-token blocks), and
-    scales that are every other element of a wider buffer (the token by token fallback)."""
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_token_scales_folded_are_read_in_their_stored_dtype(scale_dtype, strided, groups):
+    """The fold of the token-axis scales out of the dots (one per token, or 2 and 4 groups per row:
+    the block's scales converted as one run): int4 keys with zero points, nuq4 values without, 61
+    tokens from 3 (whole and partial 16- and 8-token blocks), and scales that are every other
+    element of a wider buffer (the token by token fallback)."""
     torch.manual_seed(6)
     b, h, g, d, t = 2, 2, 3, 64, 61
     k, v = torch.randn(b, h, t, d) * 3, torch.randn(b, h, t, d)
+    k[..., : d // 2] *= 8  # (groups whose scales differ)
     q = torch.randn(b, h * g, d)
-    kq = quantize(k, "int4", scale_dtype=scale_dtype)  # one group: one scale per token
-    vq = quantize(v, "nuq4", scale_dtype=scale_dtype)
+    gs = d // groups
+    kq = quantize(k, "int4", group_size=gs, scale_dtype=scale_dtype)
+    vq = quantize(v, "nuq4", group_size=gs, scale_dtype=scale_dtype)
     k_parts, v_parts = [kq.codes, kq.scale, kq.zero], [vq.codes, vq.scale, vq.zero]
-    if strided:  # [B, H, T, 1] views with a token stride of 2
+    if strided:  # [B, H, T, groups] views with a token stride of 2 groups
         for parts, i in ((k_parts, 1), (k_parts, 2), (v_parts, 1)):
-            parts[i] = torch.cat([parts[i], torch.full_like(parts[i], float("nan"))], -1)[..., :1]
-        assert k_parts[1].stride(2) == 2
-    args = dict(k_fmt="int4", v_fmt="nuq4", k_group=None, v_group=None, k_axis="token", start=torch.tensor([3, 0]), end=t, scaling=0.125)  # fmt: skip
+            parts[i] = torch.cat([parts[i], torch.full_like(parts[i], float("nan"))], -1)[..., :groups]
+        assert k_parts[1].stride(2) == 2 * groups
+    args = dict(k_fmt="int4", v_fmt="nuq4", k_group=gs, v_group=gs, k_axis="token", start=torch.tensor([3, 0]), end=t, scaling=0.125)  # fmt: skip
     _compare(q, k_parts, v_parts, **args)
 
 
