@@ -7,6 +7,8 @@ leaves them as they were."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,16 +36,6 @@ CONFIGS = {
     ),  # fmt: skip
     "fp8-plain": KVQuantConfig(key_format="fp8_e4m3", value_format="fp8_e4m3", residual_length=2),
     "int8": KVQuantConfig.resolve("int8"),  # (no tail: the new token itself is stored)
-    "no-tail-recent": KVQuantConfig(
-        key_format="nuq3",
-        value_format="nuq2",
-        rotation="hadamard",
-        smoothing="mean",
-        residual_length=0,
-        recent_length=5,
-        recent_key_format="int8",
-        recent_value_format="int8",
-    ),  # fmt: skip
     "head-groups": KVQuantConfig(
         key_format="nuq2",
         value_format="nuq2",
@@ -56,6 +48,8 @@ CONFIGS = {
     ),  # fmt: skip
 }
 
+
+CONFIGS["no-tail-recent"] = dataclasses.replace(CONFIGS["small-recent"], residual_length=0, sink_tokens=0)
 
 SEGMENT_CONFIGS = {
     **{name: CONFIGS[name] for name in ("int4", "tcq2-recent", "small-recent", "int8")},
