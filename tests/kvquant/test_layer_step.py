@@ -49,10 +49,10 @@ CONFIGS = {
 }
 
 
-CONFIGS["no-tail-recent"] = dataclasses.replace(CONFIGS["small-recent"], residual_length=0, sink_tokens=0)
+CONFIGS["no-tail-recent"] = dataclasses.replace(CONFIGS["small-recent"], residual_length=0)  # (sinks kept)
 
 SEGMENT_CONFIGS = {
-    **{name: CONFIGS[name] for name in ("int4", "tcq2-recent", "small-recent", "int8")},
+    **{name: CONFIGS[name] for name in ("int4", "tcq2-recent", "small-recent", "int8", "no-tail-recent")},
     "kivi2": KVQuantConfig.resolve("kivi2"),  # (keys per channel: the tail leaves in blocks)
 }
 
