@@ -920,8 +920,8 @@ static void plan_block8(const kvq_operand *o, int64_t D, block8_plan *pl) {
 /* Rows t0 .. t0+nt-1 dequantized into out[nt][D], 8 channels per step: bytes -> 8 int32 codes (one
  * shift and mask per chunk, the int3 high bit from its plane) -> levels (int convert; codebooks of
  * up to 16 levels: two 8-entry permutes blended on bit 3; fp8: F16C or a gather; trellis states:
- * trellis_row8) -> times scale plus zero point. raw: codes without the scales (one-scale-per-token
- * fold). pl: plan_block8 of this operand and D. */
+ * trellis_row8) -> times scale plus zero point. raw: codes without the scales (the head folds them:
+ * one_scale_per_token, fold_groups). pl: plan_block8 of this operand and D. */
 static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, int64_t h, int64_t t0, int64_t nt,
                         int64_t D, float *out, int raw) {
     const int nc = pl->nc, w = pl->w, small_lut = pl->small_lut, n_lut = pl->n_lut, gs = pl->gs;
@@ -1103,9 +1103,10 @@ static void load_block8(const kvq_operand *o, const block8_plan *pl, int64_t b, 
  * load_block8 cannot read), scores for 8 tokens come out of one hsum8, the softmax bookkeeping
  * (running max, rescale, sum) runs once per 16 tokens, and each query head's accumulator chunk stays
  * in a register across the block's 16 value rows. valid (NULL: all): token t attends only where
- * valid[t] is 1 (the full-precision tokens). Needs D % 8 == 0. */
-/* (grouped: a compile-time 0 or 1 in each of decode_head_avx2's two calls; 0 compiles the paths of
- * at most one scale per token alone) */
+ * valid[t] is 1 (the full-precision tokens). Needs D % 8 == 0. Scales folded out of the dots where
+ * fold_groups allows (one per token, or up to FOLD_GROUPS groups per row); grouped: a compile-time 0
+ * or 1 in its two callers, decode_head_avx2 (0: the paths of at most one scale per token alone) and
+ * decode_head_avx2_groups (1). */
 static inline __attribute__((always_inline)) void
 decode_head_avx2_body(const float *qh, int64_t G, int64_t D, const kvq_operand *k, const kvq_operand *v, int64_t b,
                       int64_t h, int64_t t_begin, int64_t T, float scaling, float softcap, float *kb, float *vb,
