@@ -263,11 +263,11 @@ def plan_append_step(
 
     Returns ``run(k, v, tail_row, leave_row, first_index, move_from, move_to)``: ``k, v [B, H, 1,
     D]`` copied into tail row ``tail_row``; tail row ``leave_row`` (or, with ``leave_row``
-    :data:`~kvquant.kernels.backend.STEP_NEW_TOKEN`, ``k, v`` themselves: a layer with no tail) put into the stored space
-    (``(k - mean) / std``, then the rotation) and written at ``first_index``; the first tier's
-    index ``move_from`` transcoded (through fp32) into the main store at ``move_to``. Any other
-    negative row or index skips its stage. The buffers end as those ops leave them; values a write refuses get
-    that op's own error; non-finite ``k`` / ``v`` raise ``ValueError`` (``NONFINITE_INPUT``) before
+    :data:`~kvquant.kernels.backend.STEP_NEW_TOKEN`, ``k, v`` themselves: a layer with no tail)
+    put into the stored space (``(k - mean) / std``, then the rotation) and written at
+    ``first_index``; the first tier's index ``move_from`` transcoded (through fp32) into the main
+    store at ``move_to``. Any other negative row or index skips its stage. The buffers end as those
+    ops leave them; values a write refuses get that op's own error; non-finite ``k`` / ``v`` raise ``ValueError`` (``NONFINITE_INPUT``) before
     anything is written.
 
     Example:

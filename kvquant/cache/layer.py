@@ -271,7 +271,8 @@ class QuantizedKVLayer(LayerEdits, DequantizedKV, CacheLayerMixin):
         """A decode step's append (``k, v [B, H, 1, D]``) in one planned op
         (``ops.plan_append_step``: one C call on CPU) where the step is a steady one: the tail full,
         its oldest token leaving (or, with no tail, the new token itself), and no buffer moving,
-        growing or being fitted this step, no sink left to capture. Leaves the state :meth:`append` would; False (nothing done): it runs."""
+        growing or being fitted this step, no sink left to capture. Leaves the state :meth:`append`
+        would; False (nothing done): it runs."""
         tail, tiers = self.tail, self.tiers
         held = tail.end - tail.begin
         no_tail = tail.residual == 0  # the token itself enters the first tier

@@ -134,7 +134,7 @@ def test_what_the_step_does_not_take_goes_the_general_way():
 
 @needs_c
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
-@pytest.mark.parametrize("name", ["int4", "tcq2-recent"])
+@pytest.mark.parametrize("name", ["int4", "tcq2-recent", "int8"])
 def test_a_planned_step_refuses_non_finite_states_before_storing(name, bad):
     """A decode step's values are checked by the planned step itself (``update`` leaves it to the
     append): non-finite keys or values raise the cache's own error, and every buffer and counter is
