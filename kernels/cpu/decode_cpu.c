@@ -230,22 +230,28 @@ static int one_scale_per_token(const kvq_operand *o, int fast) {
     return fast && o->scale && !o->channel_axis && o->n_groups == 1;
 }
 
-static void fold_init(const float *qh, int64_t G, int64_t D, float *qsum, float *zacc) {
-    for (int64_t g = 0; g < G; g++) {
-        float t = 0.0f;
-        for (int64_t d = 0; d < D; d++) t += qh[g * D + d];
-        qsum[g] = t;
-        zacc[g] = 0.0f;
-    }
+/* qsum[g * stride + j] = sum of q_g over scale group j's channels, j < ng (ng <= 1: one sum of all D
+ * channels), the other slots 0; zacc zeroed. (fold_groups: ng groups of D / ng channels.) */
+static void fold_init(const float *qh, int64_t G, int64_t D, int ng, int stride, float *qsum, float *zacc) {
+    const int n = ng > 1 ? ng : 1;
+    for (int64_t g = 0; g < G; g++)
+        for (int j = 0; j < stride; j++) {
+            float t = 0.0f;
+            for (int64_t d = j * (D / n); j < n && d < (j + 1) * (D / n); d++) t += qh[g * D + d];
+            qsum[g * stride + j] = t;
+            zacc[g * stride + j] = 0.0f;
+        }
 }
 
-/* The end of the fold: each query head's sum_t p_t z_t added to every channel (rows not poisoned). */
-static void fold_zero_points(const kvq_operand *v, int v_fold, int64_t G, int64_t D, const float *zacc,
+/* The end of the fold: each query head's sum_t p_t z_tj (zacc[g * stride + j]) added to group j's
+ * channels (ng groups; 0: no fold), rows not poisoned. */
+static void fold_zero_points(const kvq_operand *v, int ng, int stride, int64_t G, int64_t D, const float *zacc,
                              const float *m, float *acc) {
-    if (!v_fold || !v->zero) return;
+    if (!ng || !v->zero) return;
+    const int64_t gs = D / ng;
     for (int64_t g = 0; g < G; g++)
         if (!isnan(m[g]))
-            for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g];
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g * stride + d / gs];
 }
 
 /* Scales sv[i] and zero points zv[i] of tokens t0 + i, i < lanes (one per token; 0 from nt on and
@@ -272,29 +278,6 @@ static int fold_groups(const kvq_operand *o, int fast) {
     if (!fast || !o->scale || o->channel_axis || o->n_groups > FOLD_GROUPS) return 0;
     /* (trellis levels take their scale where they are formed, at no cost the fold would save) */
     return o->n_groups == 1 || !o->state_codes ? o->n_groups : 0;
-}
-
-/* fold_init per group: qsum[g * FOLD_GROUPS + j] = sum of q_g over group j's channels (one group:
- * fold_init's sum, in the same order); zacc zeroed. */
-static void fold_init_groups(const float *qh, int64_t G, int64_t D, int ng, float *qsum, float *zacc) {
-    const int64_t gs = D / (ng > 0 ? ng : 1);
-    for (int64_t g = 0; g < G; g++)
-        for (int j = 0; j < FOLD_GROUPS; j++) {
-            float t = 0.0f;
-            for (int64_t d = j * gs; j < ng && d < (j + 1) * gs; d++) t += qh[g * D + d];
-            qsum[g * FOLD_GROUPS + j] = t;
-            zacc[g * FOLD_GROUPS + j] = 0.0f;
-        }
-}
-
-/* fold_zero_points per group: each query head's sum_t p_t z_tj added to group j's channels. */
-static void fold_zero_points_groups(const kvq_operand *v, int ng, int64_t G, int64_t D, const float *zacc,
-                                    const float *m, float *acc) {
-    if (!ng || !v->zero) return;
-    const int64_t gs = D / ng;
-    for (int64_t g = 0; g < G; g++)
-        if (!isnan(m[g]))
-            for (int64_t d = 0; d < D; d++) acc[g * D + d] += zacc[g * FOLD_GROUPS + d / gs];
 }
 
 /* Scales sv[j * 16 + i] and zero points zv[j * 16 + i] of group j of tokens t0 + i, i < 16 (0 from
@@ -447,7 +430,7 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
     const int k_fold = one_scale_per_token(k, k_fast), v_fold = one_scale_per_token(v, v_fast);
     float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
     float qsum[64], zacc[64];
-    fold_init(qh, G, D, qsum, zacc);
+    fold_init(qh, G, D, 1, 1, qsum, zacc);
     for (int64_t t0 = t_begin; t0 < T; t0 += 16) {
         const int64_t nt = T - t0 < 16 ? T - t0 : 16;
         if (k_fast) load_block16(k, b, h, t0, nt, D, kb, k_fold);
@@ -507,7 +490,7 @@ static void decode_head_avx512(const float *qh, int64_t G, int64_t D, const kvq_
             }
         }
     }
-    fold_zero_points(v, v_fold, G, D, zacc, m, acc);
+    fold_zero_points(v, v_fold, 1, G, D, zacc, m, acc);
 }
 #endif
 
@@ -1116,15 +1099,12 @@ decode_head_avx2_body(const float *qh, int64_t G, int64_t D, const kvq_operand *
     const int k_fold = fold_groups(k, k_fast), v_fold = fold_groups(v, v_fast); /* scale groups folded, or 0 */
     const int k_cpg = k_fold ? (int)(nc / k_fold) : 0; /* 8-channel chunks per key scale group */
     const int NG = grouped ? FOLD_GROUPS : 1; /* qsum / zacc slots per query head, scale rows per block */
-    int v_grp[grouped ? 64 : 1];                 /* value chunk c's scale group */
+    int v_grp[grouped ? 64 : 1]; /* value chunk c's scale group */
     for (int c = 0; grouped && c < nc; c++) v_grp[c] = v_fold ? (int)(c / (nc / v_fold)) : 0;
     float p_all[16 * 64]; /* probabilities of the block, [G][16]; G <= 64 checked by the caller */
     float pgv[16 * NG]; /* one query head's probabilities times each value group's scales */
     float qsum[64 * NG], zacc[64 * NG]; /* [G][NG] */
-    if (grouped)
-        fold_init_groups(qh, G, D, k_fold, qsum, zacc);
-    else
-        fold_init(qh, G, D, qsum, zacc);
+    fold_init(qh, G, D, grouped ? k_fold : 1, NG, qsum, zacc);
     block8_plan k_plan, v_plan;
     if (k_fast) plan_block8(k, D, &k_plan);
     if (v_fast) plan_block8(v, D, &v_plan);
@@ -1228,8 +1208,8 @@ decode_head_avx2_body(const float *qh, int64_t G, int64_t D, const kvq_operand *
             float *ag = acc + g * D;
             const __m256 vc = _mm256_set1_ps(corr);
             const int rows = 8 * halves;
-            for (int64_t c = 0; grouped && c < nc && v_fold > 1; c++) { /* (each chunk with its group's p_t s_tj) */
-                const float *pc = pgv + 16 * v_grp[c];
+            for (int64_t c = 0; c < nc; c++) { /* the block's rows (p 0 beyond nt) in two FMA chains */
+                const float *pc = grouped && v_fold > 1 ? pgv + 16 * v_grp[c] : pg; /* (value groups: its group's p_t s_tj) */
                 __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
                 for (int i = 0; i < rows; i += 2) {
                     a = _mm256_fmadd_ps(_mm256_set1_ps(pc[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
@@ -1237,20 +1217,9 @@ decode_head_avx2_body(const float *qh, int64_t G, int64_t D, const kvq_operand *
                 }
                 _mm256_storeu_ps(ag + 8 * c, _mm256_add_ps(a, a1));
             }
-            for (int64_t c = 0; c < nc && !(grouped && v_fold > 1); c++) { /* the block's rows (p 0 beyond nt) in two FMA chains */
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), vc), a1 = _mm256_setzero_ps();
-                for (int i = 0; i < rows; i += 2) {
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(pg[i]), _mm256_loadu_ps(vb + i * D + 8 * c), a);
-                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[i + 1]), _mm256_loadu_ps(vb + (i + 1) * D + 8 * c), a1);
-                }
-                _mm256_storeu_ps(ag + 8 * c, _mm256_add_ps(a, a1));
-            }
         }
     }
-    if (grouped)
-        fold_zero_points_groups(v, v_fold, G, D, zacc, m, acc);
-    else
-        fold_zero_points(v, v_fold, G, D, zacc, m, acc);
+    fold_zero_points(v, v_fold, NG, G, D, zacc, m, acc);
 }
 
 /* The AVX2 head for operands with at most one scale per token (compiled without the group paths:
